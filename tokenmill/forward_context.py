@@ -1,0 +1,45 @@
+"""The one scoped global: what the current forward pass's attention layers read.
+
+Model code stays a plain `forward(input_ids, positions)`; attention layers
+fetch the step's `AttentionMetadata` and their layer's KV cache from here.
+Set only inside `set_forward_context(...)`, by the model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    # kv_caches[layer_idx]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[torch.Tensor]
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    """The current context. Raises RuntimeError outside `set_forward_context`."""
+    if _forward_context is None:
+        raise RuntimeError("No forward context: call the model inside set_forward_context(...).")
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+    """Make `attn_metadata` and `kv_caches` visible to attention layers for one forward."""
+    global _forward_context
+    prev = _forward_context
+    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield
+    finally:
+        _forward_context = prev
