@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata | None
     # kv_caches[layer_idx]: [2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[torch.Tensor]
+    # The backend implementation (see tokenmill/attention/backends/base.py).
+    attn_backend: Any
 
 
 _forward_context: ForwardContext | None = None
@@ -34,11 +37,13 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]) -> Iterator[None]:
-    """Make `attn_metadata` and `kv_caches` visible to attention layers for one forward."""
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor], attn_backend: Any
+) -> Iterator[None]:
+    """Make the step's metadata, KV caches and backend visible to attention layers."""
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, attn_backend)
     try:
         yield
     finally:

@@ -1,0 +1,34 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a mixed batch of prefill chunks and decodes.
+
+    `forward` first writes the step's new keys/values into `kv_cache` at
+    `attn_metadata.slot_mapping` (slot -1 is skipped), then computes causal
+    attention of each new token over its request's cached + new tokens.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,  # attend to the last `sliding_window` positions (incl. self)
+        logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
