@@ -1,0 +1,282 @@
+"""Scheduler: budget, order, chunked prefill, preemption, stop rules, aborts.
+
+Driven by a fake model runner (conftest.fake_runner_output) that samples a
+fixed token for each request whose scheduled span reaches its last token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.request import FinishReason, RequestStatus
+
+
+def all_blocks_free(sched) -> bool:
+    pool = sched.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_decodes_first_then_prefills_within_budget(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_batched_tokens=32)
+    s.add_request(make_request("a", 20, start=100))
+    s.add_request(make_request("b", 20, start=200))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 20, "b": 12}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a", "b"]
+    s.add_request(make_request("c", 30, start=300))
+    out, _ = step(s)
+    # a's decode and b's last chunk come before c's new prefill takes the rest.
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 8), ("c", 23)]
+    assert out.total_num_scheduled_tokens == 32
+    assert out.scheduled_cached_reqs.req_ids == ["a", "b"]
+    assert out.scheduled_cached_reqs.num_computed_tokens == [20, 12]
+
+
+def test_chunked_prefill_over_several_steps(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add_request(make_request("a", 40))
+    out1, res1 = step(s)
+    assert out1.num_scheduled_tokens == {"a": 16}
+    assert out1.scheduled_new_reqs[0].block_ids == [0] and out1.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert res1.outputs == []  # no token from a partial chunk
+    out2, res2 = step(s)
+    assert out2.scheduled_cached_reqs.num_computed_tokens == [16]
+    assert out2.scheduled_cached_reqs.new_block_ids == [[1]]
+    assert res2.outputs == []
+    out3, res3 = step(s)
+    assert out3.num_scheduled_tokens == {"a": 8}
+    assert out3.scheduled_cached_reqs.new_block_ids == [[2]]
+    assert [o.new_token_ids for o in res3.outputs] == [[7]]
+    stats = res3.scheduler_stats
+    assert stats.num_chunked_prefill_steps == 2 and stats.num_steps == 3
+
+
+def test_chunked_prefill_disabled_prompt_waits_for_budget(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
+    s.add_request(make_request("a", 40, start=100, max_model_len=64))
+    s.add_request(make_request("b", 30, start=200, max_model_len=64))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 40}  # b (30) does not fit in 24
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 30}
+    assert s.make_stats().num_chunked_prefill_steps == 0
+
+
+def test_max_num_seqs(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_seqs=2)
+    for i, rid in enumerate("abc"):
+        s.add_request(make_request(rid, 10, start=100 * i, max_tokens=2))
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    out, res = step(s)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert {o.request_id for o in res.outputs if o.finish_reason == FinishReason.LENGTH} == {"a", "b"}
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"c"}
+    assert out.finished_req_ids == {"a", "b"}
+    assert s.make_stats().max_num_running_reqs == 2
+
+
+def test_fcfs_preempts_newest_and_resumes_from_prefix_hit(make_scheduler, make_request, step):
+    s = make_scheduler(num_blocks=4)
+    s.add_request(make_request("a", 30, start=100, max_tokens=5))
+    s.add_request(make_request("b", 30, start=200, max_tokens=20))
+    out, _ = step(s)
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[0, 1], [2, 3]]
+    step(s)
+    step(s)
+    # Step 4: a's token at position 32 needs a third block; none is free.
+    out, _ = step(s)
+    b = s.requests["b"]
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.finished_req_ids == {"b"}
+    assert out.scheduled_cached_reqs.new_block_ids == [[3]]  # b's tail block went first
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and s.make_stats().num_preemptions == 1
+    assert list(s.waiting) == [b]
+    # Step 5: b cannot come back yet (needs 2 fresh blocks, only its cached one is free).
+    out, res = step(s)
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert res.outputs[0].finish_reason == FinishReason.LENGTH
+    # Step 6: b resumes as a new request, its first block a prefix hit.
+    out, _ = step(s)
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 16
+    assert new.output_token_ids == [7, 7, 7]
+    assert new.block_ids == [2, 3, 1]
+    assert out.num_scheduled_tokens == {"b": 17}  # prompt 30 + 3 outputs - 16 cached
+    assert b.num_cached_tokens == 0  # recorded at first schedule only
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_victim_by_policy(policy, make_scheduler, make_request, step):
+    s = make_scheduler(num_blocks=4, policy=policy)
+    s.add_request(make_request("a", 20, start=100, priority=1, arrival_time=0.0, max_tokens=50))
+    step(s)
+    s.add_request(make_request("b", 31, start=200, priority=0, arrival_time=1.0, max_tokens=50))
+    out, _ = step(s)
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[2, 3]]
+    step(s)
+    # Step 4: b's position 32 needs a block.
+    out, _ = step(s)
+    a, b = s.requests["a"], s.requests["b"]
+    if policy == "fcfs":
+        # Newest running (b) is the victim: it was the one being scheduled, so stop.
+        assert out.num_scheduled_tokens == {"a": 1}
+        assert out.finished_req_ids == {"b"}
+        assert b.status == RequestStatus.PREEMPTED and a.status == RequestStatus.RUNNING
+    else:
+        # Largest (priority, arrival) is a, already scheduled this step: undone.
+        assert out.num_scheduled_tokens == {"b": 1}
+        assert out.total_num_scheduled_tokens == 1
+        assert out.scheduled_cached_reqs.req_ids == ["b"]
+        assert out.scheduled_cached_reqs.new_block_ids == [[1]]  # a's tail block
+        assert out.finished_req_ids == {"a"}
+        assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+        assert s.kv_cache_manager.get_block_ids("b") == [2, 3, 1]
+
+
+def test_priority_order_of_waiting(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_seqs=1, policy="priority")
+    s.add_request(make_request("c", 10, priority=2, arrival_time=0.0, max_tokens=1))
+    s.add_request(make_request("a", 10, priority=0, arrival_time=5.0, max_tokens=1))
+    s.add_request(make_request("b", 10, priority=0, arrival_time=3.0, max_tokens=1))
+    order = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        order += [r.req_id for r in out.scheduled_new_reqs]
+    assert order == ["b", "a", "c"]
+
+
+def test_same_prompt_requests_share_blocks_in_one_step(make_scheduler, make_request, step):
+    s = make_scheduler()
+    s.add_request(make_request("a", 40))
+    s.add_request(make_request("b", 40))
+    out, res = step(s)
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[0, 1, 2], [0, 1, 3]]
+    assert out.num_scheduled_tokens == {"a": 40, "b": 8}
+    assert [o.num_cached_tokens for o in res.outputs] == [0, 32]
+    stats = res.scheduler_stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
+
+
+def run_to_end(s, step, token):
+    results = {}
+    while s.has_unfinished_requests():
+        _, res = step(s, token)
+        for o in res.outputs:
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                results[o.request_id + ":finish"] = (o.finish_reason, o.stop_reason)
+    return results
+
+
+def test_eos_respects_min_tokens(make_scheduler, make_request, step, eos):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, min_tokens=3, max_tokens=10))
+    r = run_to_end(s, step, eos)
+    assert r["a"] == [eos, eos, eos]
+    assert r["a:finish"] == (FinishReason.STOP, None)
+
+
+def test_stop_token_id_records_reason(make_scheduler, make_request, step):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, stop_token_ids=[9], max_tokens=10))
+    r = run_to_end(s, step, 9)
+    assert r["a"] == [9] and r["a:finish"] == (FinishReason.STOP, 9)
+
+
+def test_max_tokens_and_ignore_eos(make_scheduler, make_request, step, eos):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, max_tokens=3))
+    s.add_request(make_request("b", 10, max_tokens=4, ignore_eos=True))
+    r = run_to_end(s, step, {"a": 7, "b": eos})
+    assert r["a"] == [7, 7, 7] and r["a:finish"] == (FinishReason.LENGTH, None)
+    assert r["b"] == [eos] * 4 and r["b:finish"] == (FinishReason.LENGTH, None)
+    assert all_blocks_free(s)
+
+
+def test_max_model_len_caps(make_scheduler, make_request, step):
+    s = make_scheduler(max_model_len=24)
+    req = make_request("a", 20, max_tokens=100)
+    req.max_tokens = 100  # only max_model_len can stop it
+    s.add_request(req)
+    r = run_to_end(s, step, 7)
+    assert len(r["a"]) == 4 and r["a:finish"][0] == FinishReason.LENGTH
+
+
+def test_logprobs_rows_reach_outputs(make_scheduler, make_request, step):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, logprobs=1))
+    _, res = step(s)
+    (o,) = res.outputs
+    assert o.new_logprob_token_ids == [[7, 8]]
+    assert o.new_logprobs == [[-0.5, -1.5]] and o.new_sampled_token_ranks == [1]
+
+
+def test_abort_running_and_waiting_frees_blocks(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("a", 40, start=100))
+    s.add_request(make_request("b", 40, start=200))
+    step(s)
+    assert s.kv_cache_manager.get_block_ids("a") == [0, 1, 2]
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests() and s.get_num_unfinished_requests() == 0
+    assert all_blocks_free(s)
+    out = s.schedule()
+    assert out.finished_req_ids == {"a", "b"} and out.total_num_scheduled_tokens == 0
+    with pytest.raises(ValueError):
+        s.finish_requests("a", RequestStatus.RUNNING)
+
+
+def test_abort_between_schedule_and_update(make_scheduler, make_request, runner_output):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10))
+    out = s.schedule()
+    mro = runner_output(s, out)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert s.update_from_output(out, mro).outputs == []
+    assert all_blocks_free(s)
+
+
+def test_random_workload_invariants_and_all_blocks_back(make_scheduler, make_request, step):
+    rng = random.Random(0)
+    s = make_scheduler(num_blocks=12, max_num_batched_tokens=48, max_num_seqs=4)
+    want = {}
+    shared = list(range(500, 532))  # a common 2-block prefix for some prompts
+    for i in range(12):
+        n = rng.randint(5, 60)
+        prompt = (shared + list(range(1000 * i, 1000 * i + n))) if i % 3 == 0 else list(range(1000 * i, 1000 * i + n))
+        prompt = prompt[:90]
+        want[f"r{i}"] = rng.randint(1, 30)
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=want[f"r{i}"]))
+    got: dict[str, int] = {}
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        out, res = step(s)
+        assert out.total_num_scheduled_tokens <= 48
+        assert len(s.running) <= 4
+        for o in res.outputs:
+            got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
+    assert not s.has_unfinished_requests()
+    assert got == want
+    assert s.make_stats().num_preemptions > 0  # the cache is small enough to force some
+    assert all_blocks_free(s)
+
+
+def test_config_and_request_errors(make_scheduler, make_request):
+    with pytest.raises(ValueError, match="chunked prefill"):
+        make_scheduler(max_num_batched_tokens=32, max_model_len=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="scheduling policy"):
+        make_scheduler(policy="lifo")
+    s = make_scheduler(max_model_len=32)
+    s.add_request(make_request("a", 10))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make_request("a", 10))
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(make_request("b", 40))
+    with pytest.raises(ValueError, match="empty"):
+        s.add_request(make_request("c", []))

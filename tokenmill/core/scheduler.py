@@ -1,0 +1,379 @@
+"""Scheduler: continuous batching over a paged KV cache (pure Python, no torch).
+
+One counter drives everything (DESIGN.md): each step a request gets
+`num_new_tokens` so that `num_computed_tokens` catches up with `num_tokens`
+(prompt + output so far). There is no prefill or decode phase; a step mixes
+prefill chunks and decodes under two limits, `max_num_batched_tokens` (the
+token budget) and `max_num_seqs` (running requests).
+
+Policy of `schedule()` (as vLLM v1's scheduler):
+
+1. RUNNING requests first, in the order they were admitted. Each gets
+   `min(num_tokens - num_computed_tokens, remaining budget,
+   max_model_len - num_computed_tokens)` tokens, so every decode gets its
+   token before any new prefill takes budget. If the KV cache cannot hold
+   them, a victim is preempted and allocation retried: FCFS -> the newest
+   running request (last in the list); priority -> the running request with
+   the largest `(priority, arrival_time)`. A victim's blocks are freed, its
+   `num_computed_tokens` reset to 0 (its KV is recomputed later, possibly
+   partly from the prefix cache), and it goes back to the front of the
+   waiting queue (FCFS) or into the priority queue. If the request being
+   scheduled is itself the victim, the running pass stops.
+2. WAITING requests next, only if nothing was preempted this step, in FCFS
+   order or priority order (smaller `priority` first, then earlier arrival),
+   while budget and `max_num_seqs` allow: prefix-cache lookup, then as many
+   tokens as the budget allows (chunked prefill; with chunked prefill off, a
+   prompt that does not fit in the remaining budget waits, and so does
+   everyone behind it), then allocation. The first request that cannot be
+   admitted stops the pass (head-of-line order is kept).
+
+New and resumed requests go to the worker in full (`scheduled_new_reqs`),
+running ones as diffs (`scheduled_cached_reqs`). Ids of requests finished,
+aborted or preempted since the last output go in `finished_req_ids` so the
+worker drops them. At the end of `schedule()` each scheduled request's
+`num_computed_tokens` is advanced by its scheduled tokens (the output carries
+the values from before).
+
+`update_from_output` appends sampled tokens and applies the stop rules, in
+this order after each token: a token in `all_stop_token_ids` (once
+`min_tokens` are out; EOS is ignored under `ignore_eos`) -> STOP, with
+`stop_reason` the token id, or None for the EOS id; then `max_tokens` or
+`max_model_len` reached -> LENGTH. A request whose last token is EOS thus
+reports "stop" even when it also hit its length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request_queue import create_request_queue
+from tokenmill.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, Request, RequestStatus, SchedulerStats
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        scheduler_config: `max_num_seqs`, `max_num_batched_tokens`,
+            `max_model_len`, `enable_chunked_prefill`, `policy`.
+        cache_config: `block_size`, `enable_prefix_caching`.
+        num_gpu_blocks: KV-cache blocks the worker allocated.
+
+    Raises:
+        ValueError: if the policy is unknown, a limit is not positive, or
+            chunked prefill is off while `max_num_batched_tokens` <
+            `max_model_len` (a long prompt could never be scheduled).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int) -> None:
+        cfg = scheduler_config
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or cfg.max_model_len < 1:
+            raise ValueError(
+                f"max_num_seqs ({cfg.max_num_seqs}), max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                f"and max_model_len ({cfg.max_model_len}) must all be positive."
+            )
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+            raise ValueError(
+                f"With chunked prefill disabled, max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({cfg.max_model_len}), or long prompts could never run; raise "
+                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill."
+            )
+        self.scheduler_config = cfg
+        self.cache_config = cache_config
+        self.max_num_seqs = cfg.max_num_seqs
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        self.max_model_len = cfg.max_model_len
+        self.enable_chunked_prefill = cfg.enable_chunked_prefill
+        self.policy = cfg.policy
+        self.waiting = create_request_queue(cfg.policy)
+        self.running: list[Request] = []
+        # req_id -> Request, for every unfinished request
+        self.requests: dict[str, Request] = {}
+        # Finished/aborted since the last schedule(); sent so the worker drops them.
+        self.finished_req_ids: set[str] = set()
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_gpu_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            max_model_len=cfg.max_model_len,
+        )
+        self.num_preemptions = 0
+        self.num_chunked_prefill_steps = 0
+        self.max_num_running_reqs = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: if its id is already in use, its prompt is empty, or
+                the prompt is longer than `max_model_len`.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use; request ids must be unique.")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
+                f"({self.max_model_len}); shorten it or raise --max-model-len."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """End requests from outside (abort, or a stop string the engine matched).
+
+        Frees their blocks. Unknown or already finished ids are ignored.
+
+        Raises:
+            ValueError: if `finished_status` is not a finished status.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {finished_status!r}.")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.waiting) + len(self.running) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; only possible when no request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts (policy: module docstring).
+
+        Returns:
+            The `SchedulerOutput` for the worker; `total_num_scheduled_tokens`
+            may be 0 when nothing can run.
+        """
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            while (block_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < i:
+                    # Already scheduled this step: give back its budget.
+                    i -= 1
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if block_ids is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            token_budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, only when nobody had to be preempted.
+        while not preempted and len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, self.max_model_len - num_hit_tokens)
+            if not self.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            assert num_new > 0
+            block_ids = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+
+        output = self._make_output(scheduled_new, scheduled_running, num_scheduled, new_block_ids, preempted)
+        self._record_step(num_scheduled)
+        # Advance after building the output: the worker gets the values from before.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _make_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        finished = self.finished_req_ids | {r.request_id for r in preempted}
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    def _record_step(self, num_scheduled: dict[str, int]) -> None:
+        self.num_steps += 1
+        self.max_num_running_reqs = max(self.max_num_running_reqs, len(self.running))
+        # A chunk that stops short of the request's known tokens samples nothing.
+        if any(self.requests[rid].num_computed_tokens + n < self.requests[rid].num_tokens for rid, n in num_scheduled.items()):
+            self.num_chunked_prefill_steps += 1
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append the sampled tokens, apply stop rules, free finished requests.
+
+        Args:
+            scheduler_output: the output of the `schedule()` this step ran.
+            model_runner_output: what the worker produced for it.
+
+        Returns:
+            One `EngineCoreOutput` per request that got tokens this step
+            (finished ones carry `finish_reason`), plus scheduler stats.
+        """
+        mro = model_runner_output
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            index = mro.req_id_to_index.get(req_id)
+            if request is None or request.is_finished() or index is None:
+                continue  # aborted meanwhile, or not run
+            sampled = mro.sampled_token_ids[index]
+            if not sampled:
+                continue  # partial prefill chunk
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            out = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            lp = mro.logprobs
+            if lp is not None and index < len(lp.logprob_token_ids) and lp.logprob_token_ids[index]:
+                out.new_logprob_token_ids = [lp.logprob_token_ids[index]]
+                out.new_logprobs = [lp.logprobs[index]]
+                out.new_sampled_token_ranks = [lp.sampled_token_ranks[index]]
+            outputs.append(out)
+            if request.is_finished():
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time(), scheduler_stats=self.make_stats())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set a finished status on `request` if its last token ends it."""
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if token_id in params.all_stop_token_ids and request.num_output_tokens >= params.min_tokens:
+            is_eos = token_id == params.eos_token_id
+            if not (is_eos and params.ignore_eos and token_id not in params.stop_token_ids):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None if is_eos else token_id
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def make_stats(self) -> SchedulerStats:
+        """Current gauges and cumulative counters (see `SchedulerStats`)."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.num_preemptions,
+            num_chunked_prefill_steps=self.num_chunked_prefill_steps,
+            max_num_running_reqs=self.max_num_running_reqs,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_steps=self.num_steps,
+        )
