@@ -1,0 +1,77 @@
+"""Logits transforms used by the sampler: penalties, top-k / top-p / min-p filters.
+
+Each takes logits [S, V] float32 and per-row parameters [S], and writes -inf
+where a token is removed. Row-wise "off" values (top_k = V, top_p = 1,
+min_p = 0, neutral penalties) leave a row unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [S, V] float32, modified in place
+    output_counts: torch.Tensor,  # [S, V] float32 occurrences in the output so far
+    prompt_mask: torch.Tensor,  # [S, V] bool token in the prompt
+    presence: torch.Tensor,  # [S]
+    frequency: torch.Tensor,  # [S]
+    repetition: torch.Tensor,  # [S]
+) -> torch.Tensor:
+    """vLLM's penalties.
+
+    Repetition (CTRL, Keskar et al. 2019): for tokens seen in prompt or
+    output, logit / r if logit > 0 else logit * r. Presence / frequency
+    (OpenAI API docs): logit -= presence * [count > 0] + frequency * count,
+    over output tokens only.
+    """
+    seen = prompt_mask | (output_counts > 0)
+    r = repetition[:, None].expand_as(logits)
+    scaled = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, scaled, logits)
+    logits -= frequency[:, None] * output_counts
+    logits -= presence[:, None] * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [S, V] float32
+    top_k: torch.Tensor | None,  # [S] int64 in [1, V]
+    top_p: torch.Tensor | None,  # [S] float32 in (0, 1]
+) -> torch.Tensor:
+    """Keep the top-k tokens, then the smallest set whose probability reaches top_p.
+
+    Ties at the k-th value are kept (a threshold, as vLLM). Nucleus sampling:
+    Holtzman et al. 2019 (arXiv:1904.09751); the most likely token is always kept.
+    """
+    if top_p is None:
+        assert top_k is not None
+        # Only top-k: topk at the batch's largest k, then each row's k-th value is its threshold.
+        # k = [2, 1], sorted rows [[5, 4, 3], [9, 2, 1]] -> thresholds [4, 9]
+        max_k = int(top_k.max())
+        values = logits.topk(max_k, dim=-1).values
+        kth = values.gather(1, (top_k - 1).clamp(max=max_k - 1)[:, None])
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p:
+    # probs [0.5, 0.3, 0.2], p 0.7 -> mass before [0, 0.5, 0.8] -> keep [T, T, F]
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 drop nothing (the cumsum may round past 1.0).
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p * the row's top probability.
+
+    probs [S, V] (rows sum to 1), min_p [S]. Source: Nguyen et al. 2024,
+    "Min P Sampling" (arXiv:2407.01082); vLLM applies it after temperature.
+    """
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
