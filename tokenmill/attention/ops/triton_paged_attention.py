@@ -1,0 +1,334 @@
+"""Triton kernel: varlen causal attention over the paged KV cache.
+
+One kernel serves a mixed step of prefill chunks and decodes. Request i owns
+new tokens `query_start_loc[i] : query_start_loc[i+1]` and attends to its first
+`seq_lens[i]` cached tokens (the new keys/values are written first):
+
+    request i:  | context (c = seq_len - query_len) | new (query_len) |
+    new token j sits at position c + j and sees positions [0, c + j]
+    (with a sliding window W: (c + j - W, c + j]).
+
+Work split. A program handles one "query block" (BLOCK_Q consecutive new
+tokens of one request) for one kv head, times the `num_queries_per_kv` query
+heads that share that kv head (GQA/MQA), so every K/V tile is loaded once per
+group. Its tile rows are (token, head) pairs:
+
+    row r -> token q0 + r // QPK_PAD, query head kv_head * qpk + r % QPK_PAD
+    BLOCK_M = BLOCK_Q * QPK_PAD rows; rows with a padded head or a token past
+    the request's end are masked.
+
+Query blocks are numbered without a host pass: request i's blocks start at
+`query_start_loc[i] // BLOCK_Q + i`. That numbering is monotone and leaves
+room for ceil(query_len / BLOCK_Q) blocks per request (floor(b) - floor(a) + 1
+>= ceil(b - a)), so a program binary-searches `query_start_loc` for its
+request and the grid size `num_tokens // BLOCK_Q + num_reqs + 1` depends only
+on host ints. Example with BLOCK_Q = 4, query lens [3, 1, 6]:
+
+    query_start_loc [0, 3, 4, 10] -> first block per request [0, 1, 3], pad 5
+    pid:     0   1   2        3    4        5
+    request: 0   1   1(idle)  2    2(j>=4)  pad (tokens past 10, zeros)
+
+Tokens past `query_start_loc[num_reqs]` (CUDA-graph padding) belong to a
+virtual last request with no context; their output rows are written as 0.
+
+The KV loop walks BLOCK_N positions at a time and gathers each position's
+physical block from `block_table`, so BLOCK_N and the cache block size are
+independent (any block size works; the engine uses powers of two >= 16). Softmax is the online
+(streaming) form of FlashAttention (Dao et al. 2022, Alg. 1) in fp32, in
+base 2 (exp2 with log2(e) folded into the scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "sliding_window"])
+def paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    scale,  # fp32 softmax scale
+    softcap,  # fp32, used when USE_SOFTCAP
+    sliding_window,  # i32, used when USE_WINDOW
+    num_reqs,
+    num_tokens,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_req,
+    num_queries_per_kv,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_Q: tl.constexpr,  # new tokens per program
+    QPK_PAD: tl.constexpr,  # next power of two >= num_queries_per_kv
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * QPK_PAD
+    BLOCK_N: tl.constexpr,  # KV positions per loop step
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= head_dim (>= 16)
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    LOG2E: tl.constexpr = 1.4426950408889634
+
+    # Largest request index r in [0, num_reqs] whose first query block <= pid;
+    # r == num_reqs is the virtual padding request.
+    left = pid * 0
+    right = pid * 0 + num_reqs
+    while left < right:
+        mid = (left + right + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        ok = first <= pid
+        left = tl.where(ok, mid, left)
+        right = tl.where(ok, right, mid - 1)
+    req = left
+    is_pad = req == num_reqs
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1, mask=req < num_reqs, other=0)
+    q_end = tl.where(is_pad, num_tokens, q_end)
+    q_len = q_end - q_start
+    seq_len = tl.load(seq_lens_ptr + req, mask=req < num_reqs, other=0)
+    ctx_len = seq_len - q_len
+    q0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this block, within the request
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    tok = q0 + offs_m // QPK_PAD
+    head_in_group = offs_m % QPK_PAD
+    head = kv_head * num_queries_per_kv + head_in_group
+    row_valid = (tok < q_len) & (head_in_group < num_queries_per_kv)
+    d_valid = offs_d < head_dim
+    tok_global = (q_start + tok).to(tl.int64)
+    io_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(
+        q_ptr + tok_global[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    q_pos = ctx_len + tok  # absolute position of each row's token
+
+    # KV positions any row of this block can see: [kv_begin, kv_end).
+    last_tok = tl.minimum(q0 + BLOCK_Q, q_len) - 1
+    kv_end = tl.where(is_pad | (q0 >= q_len), 0, ctx_len + last_tok + 1)
+    kv_begin = kv_end * 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(ctx_len + q0 - sliding_window + 1, 0)
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    head_off = kv_head.to(tl.int64) * stride_c_head
+
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        slot_off = block_id * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + head_off
+        k = tl.load(
+            kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, BLOCK_N]
+        v = tl.load(
+            kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :],
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM_PAD]
+
+        s = tl.dot(q, k, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
+        if USE_SOFTCAP:
+            # cap * tanh(x / cap) with tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}):
+            # never overflows, unlike the (e^{2y} - 1) / (e^{2y} + 1) form.
+            y = s * scale / softcap
+            t = tl.exp2(-2.0 * LOG2E * tl.abs(y))
+            th = (1.0 - t) / (1.0 + t)
+            s = tl.where(y < 0, -th, th) * (softcap * LOG2E)
+        else:
+            s = s * (scale * LOG2E)
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so
+        # exp2 gives 0, not NaN from (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # Rows with no visible key (only padding rows) have l == 0 -> output 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + tok_global[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionLaunchConfig:
+    """Tile sizes and launch settings of `paged_attention_kernel`."""
+
+    block_q: int  # new tokens per program
+    qpk_pad: int  # padded query heads per kv head
+    block_n: int  # KV positions per loop step
+    head_dim_pad: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.qpk_pad
+
+
+def choose_launch_config(
+    max_query_len: int,
+    num_queries_per_kv: int,
+    head_dim: int,
+    *,
+    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> AttentionLaunchConfig:
+    """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
+
+    Decode-only steps (max_query_len <= 4) use 16-row tiles: one decode token
+    times the GQA group fills a tile with little waste (32 q / 8 kv heads ->
+    4 tokens x 4 heads). Prefill steps use 64 rows. BLOCK_N shrinks for
+    head_dim 256 to keep the fp32 accumulator and K/V tiles in registers.
+    `num_stages` comes from the platform (1 on sm_70, which has no cp.async).
+    """
+    qpk_pad = triton.next_power_of_2(num_queries_per_kv)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if block_m is None:
+        block_m = 16 if max_query_len <= 4 else 64
+    block_m = max(block_m, qpk_pad, 16)
+    if block_n is None:
+        block_n = 64 if head_dim_pad <= 128 else 32
+    num_warps = 8 if (block_m >= 64 and head_dim_pad >= 256) else 4
+    return AttentionLaunchConfig(
+        block_q=block_m // qpk_pad,
+        qpk_pad=qpk_pad,
+        block_n=block_n,
+        head_dim_pad=head_dim_pad,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each new token over its request's paged K/V.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] fp16/bf16/fp32, last dim
+            contiguous. Tokens past `query_start_loc[num_reqs]` are padding
+            (their output rows are set to 0).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], same
+            dtype as `query`, already holding this step's new keys/values.
+        block_table: [>= num_reqs, max_blocks_per_req] int32 block ids.
+        seq_lens: [>= num_reqs] int32, context + new tokens per request.
+        query_start_loc: [num_reqs + 1] int32 prefix sum of new-token counts.
+        num_reqs, max_query_len: host ints (no device sync is made).
+        scale: softmax scale, usually head_dim ** -0.5.
+        sliding_window: if set, position p sees keys in (p - window, p].
+        logits_soft_cap: if set, scores become cap * tanh(scale * qk / cap)
+            (Gemma 2, arXiv:2408.00118).
+        out: optional [num_tokens, num_heads, head_dim] output buffer.
+        num_stages: software-pipelining depth (use 1 on compute capability 7.x).
+        block_m, block_n: tile overrides (tests).
+
+    Returns:
+        out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
+        element is written.
+
+    Raises:
+        ValueError: num_heads is not a multiple of num_kv_heads.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+    assert kv_cache.shape[4] == head_dim and query.stride(2) == 1 and kv_cache.stride(4) == 1
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    qpk = num_heads // num_kv_heads
+    cfg = choose_launch_config(
+        max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n
+    )
+    grid = (num_tokens // cfg.block_q + num_reqs + 1, num_kv_heads)
+    paged_attention_kernel[grid](
+        out,
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        float(scale),
+        float(logits_soft_cap or 0.0),
+        int(sliding_window or 0),
+        num_reqs,
+        num_tokens,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        qpk,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=cfg.block_q,
+        QPK_PAD=cfg.qpk_pad,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM_PAD=cfg.head_dim_pad,
+        USE_WINDOW=sliding_window is not None and sliding_window > 0,
+        USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
