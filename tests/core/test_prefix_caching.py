@@ -144,3 +144,23 @@ def test_caching_disabled_no_hits(make_request):
     admit(m, a)
     assert m.get_computed_blocks(make_request("b", 40)) == ([], 0)
     assert m.prefix_cache_queries == 0
+
+
+def test_free_before_the_step_runs_uncaches_unwritten_blocks(make_request):
+    m = make_manager()
+    a = make_request("a", 29)
+    admit(m, a)  # computed 29: block 0 cached, block 1 partial
+    a.append_output_token_ids([5, 6, 7])  # 32 tokens known
+    a.num_computed_tokens = 29
+    assert m.allocate_slots(a, 3) == []  # schedules 29..31: block 1 now full and cached
+    h1 = a.block_hashes[1]
+    assert m.block_pool.get_cached_block(h1) is m.block_pool.blocks[1]
+    # Preempted before the step ran: num_computed_tokens never advanced.
+    m.free(a)
+    assert m.block_pool.get_cached_block(h1) is None
+    assert m.block_pool.get_cached_block(a.block_hashes[0]) is m.block_pool.blocks[0]
+    # After a real step, freeing keeps both blocks cached.
+    b = make_request("b", a.all_token_ids)
+    admit(m, b)
+    m.free(b)
+    assert m.block_pool.get_cached_block(h1) is not None

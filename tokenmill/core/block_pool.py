@@ -235,6 +235,10 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         return True
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Drop `block` from the prefix cache (its KV will never be written)."""
+        self._evict_hash(block)
+
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -162,11 +162,24 @@ class KVCacheManager:
 
         Freed blocks keep their hashes, so they remain prefix-cache hits
         until reused. Freeing a request that holds nothing does nothing.
+
+        Blocks were cached when scheduled, before their KV was written. If a
+        request is freed with a step scheduled but not run (the scheduler
+        undoing a preemption victim), blocks past its `num_computed_tokens`
+        were cached but will never be written: they leave the cache here.
+
+            num_computed_tokens = 20, block_size = 16
+            | b0: 0..15 computed | b1: 16..31 cached this step, unwritten |
+                 stays cached       uncached on free (only holder)
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        if not blocks:
+            return
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self.block_pool.uncache_block(block)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as block ids (a new list; [] if it holds none)."""

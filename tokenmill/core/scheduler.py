@@ -29,8 +29,9 @@ Policy of `schedule()` (as vLLM v1's scheduler):
 
 New and resumed requests go to the worker in full (`scheduled_new_reqs`),
 running ones as diffs (`scheduled_cached_reqs`). Ids of requests finished,
-aborted or preempted since the last output go in `finished_req_ids` so the
-worker drops them. At the end of `schedule()` each scheduled request's
+aborted or preempted since the last non-empty output go in `finished_req_ids`
+so the worker drops them (the worker must drop them before adding this
+step's new requests: a preempted id may come back as new later). At the end of `schedule()` each scheduled request's
 `num_computed_tokens` is advanced by its scheduled tokens (the output carries
 the values from before).
 
@@ -280,12 +281,16 @@ class Scheduler:
             cached.new_block_ids.append(new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
         finished = self.finished_req_ids | {r.request_id for r in preempted}
-        self.finished_req_ids = set()
+        total = sum(num_scheduled.values())
+        # An empty step may never reach the worker (the engine can skip it), so
+        # its finished ids are sent again with the next step; dropping an id
+        # twice, or one the worker never saw, must be harmless.
+        self.finished_req_ids = finished if total == 0 else set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            total_num_scheduled_tokens=total,
             finished_req_ids=finished,
         )
 
