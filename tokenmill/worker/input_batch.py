@@ -1,0 +1,206 @@
+"""InputBatch: the worker's persistent per-request state, and each step's input tensors.
+
+Requests live in rows [0, num_reqs) (kept dense: removing a row moves the
+last row into the hole). Per row:
+
+    token_ids[row]:  | prompt | output (incl. the last sampled) | unused ... |
+                     |<------ num_tokens[row] ------>|
+                     |<- num_computed_tokens[row] ->|<- scheduled this step ->|
+
+`prepare_inputs` turns a step's {req_id: num_scheduled_tokens} into
+input_ids, positions, slot_mapping, query_start_loc, seq_lens and
+logits_indices with NumPy ops over these arrays (no per-token Python).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.core.sched_output import NewRequestData
+from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.state import SamplingState
+from tokenmill.worker.block_table import BlockTable
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs (device tensors) and what to sample."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample from
+    sample_rows: np.ndarray  # [S] batch rows that sample, in logits order
+    sampling_metadata: SamplingMetadata | None  # None when nobody samples
+
+
+class InputBatch:
+    """Persistent batch state.
+
+    Args:
+        max_num_reqs: rows (max_num_seqs).
+        max_model_len: columns of the token array.
+        max_num_batched_tokens: largest step (sizes the staging buffers).
+        block_size: KV block size.
+        vocab_size: logits width (for the sampler's masks).
+        device: where step tensors go.
+        pin_memory: pinned staging buffers (CUDA).
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.req_ids: list[str] = []  # row -> req_id, rows [0, num_reqs)
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
+        self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size, device, pin_memory)
+        self.sampling = SamplingState(max_num_reqs, vocab_size, device)
+        # Staging buffers (pinned on CUDA) and their device twins; a step uses a prefix.
+        t, r = max_num_batched_tokens, max_num_reqs
+        self._host = {
+            "input_ids": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
+            "positions": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
+            "slot_mapping": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
+            "query_start_loc": torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin_memory),
+            "seq_lens": torch.zeros(r, dtype=torch.int32, pin_memory=pin_memory),
+            "logits_indices": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
+        }
+        self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    # ---- membership -------------------------------------------------------------
+
+    def add_request(self, new: NewRequestData) -> int:
+        """Put a new (or resumed) request in the next free row; returns the row.
+
+        Raises:
+            ValueError: the batch is full or the request is longer than max_model_len.
+        """
+        if new.req_id in self.req_id_to_index:
+            self.remove_request(new.req_id)
+        if self.num_reqs >= self.max_num_reqs:
+            raise ValueError(f"The batch already holds max_num_seqs={self.max_num_reqs} requests.")
+        tokens = new.prompt_token_ids + new.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"Request {new.req_id} has {len(tokens)} tokens; max_model_len is {self.max_model_len}.")
+        row = self.num_reqs
+        self.req_ids.append(new.req_id)
+        self.req_id_to_index[new.req_id] = row
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table.add_row(row, new.block_ids)
+        self.sampling.add(row, new.sampling_params, len(new.output_token_ids))
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        """Drop a request (no-op if unknown); the last row moves into its place."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:
+            moved = self.req_ids[last]
+            n = int(self.num_tokens[last])
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+                arr[row] = arr[last]
+            self.block_table.move_row(last, row)
+            self.sampling.move(last, row)
+            self.req_ids[row] = moved
+            self.req_id_to_index[moved] = row
+        self.req_ids.pop()
+        self.block_table.clear_row(last)
+        self.sampling.clear(last)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record each row's sampled token as its next known token (the next step's input)."""
+        # Tokens past max_model_len are dropped; the scheduler finishes such requests.
+        ok = self.num_tokens[rows] < self.max_model_len
+        rows, token_ids = rows[ok], token_ids[ok]
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    # ---- one step's inputs -----------------------------------------------------
+
+    def prepare_inputs(self, num_scheduled: dict[str, int]) -> StepInputs:
+        """Build the step's tensors for the scheduled requests (in row order).
+
+        Raises:
+            KeyError: a scheduled request is not in the batch (a contract breach).
+        """
+        sched = {r: n for r, n in num_scheduled.items() if n > 0}
+        rows = np.fromiter((self.req_id_to_index[r] for r in sched), np.int64, len(sched))
+        counts = np.fromiter(sched.values(), np.int64, len(sched))
+        order = np.argsort(rows, kind="stable")
+        rows, counts = rows[order], counts[order]
+        num_reqs, total = len(rows), int(counts.sum())
+        h = {k: v.numpy() for k, v in self._host.items()}
+
+        # Each token's request index: counts [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+        req_idx = np.repeat(np.arange(num_reqs), counts)
+        # Exclusive prefix sum: [2, 5, 3] -> query_start_loc [0, 2, 7, 10]
+        qsl = h["query_start_loc"][: num_reqs + 1]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        # Offset within its request: arange(10) - [0, 0, 2, 2, 2, 2, 2, 7, 7, 7] -> [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+        offsets = np.arange(total) - qsl[req_idx]
+        token_rows = rows[req_idx]
+        positions = h["positions"][:total]
+        np.add(self.num_computed_tokens[token_rows], offsets, out=positions)
+        # Flat index into token_ids: row * max_model_len + position.
+        h["input_ids"][:total] = self.token_ids.ravel()[token_rows * self.max_model_len + positions]
+        h["slot_mapping"][:total] = self.block_table.slot_mapping(token_rows, positions)
+        seq_lens = h["seq_lens"][:num_reqs]
+        seq_lens[:] = self.num_computed_tokens[rows] + counts
+
+        # A request samples when this step reaches its last known token:
+        # seq_lens [5, 9], num_tokens [5, 20] -> samples [True, False] (the 2nd is a partial prefill chunk)
+        samples = seq_lens >= self.num_tokens[rows]
+        sample_rows = rows[samples]
+        num_sample = len(sample_rows)
+        h["logits_indices"][:num_sample] = qsl[1:][samples] - 1
+
+        d = self._dev
+        for name, n in (("input_ids", total), ("positions", total), ("slot_mapping", total),
+                        ("query_start_loc", num_reqs + 1), ("seq_lens", num_reqs), ("logits_indices", num_sample)):
+            d[name][:n].copy_(self._host[name][:n], non_blocking=True)
+        md = AttentionMetadata(
+            num_actual_tokens=total,
+            num_reqs=num_reqs,
+            max_query_len=int(counts.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            query_start_loc=d["query_start_loc"][: num_reqs + 1],
+            seq_lens=d["seq_lens"][:num_reqs],
+            block_table=self.block_table.commit(rows),
+            slot_mapping=d["slot_mapping"][:total],
+            # Copies: the staging buffers are rewritten next step while backends may hold these.
+            query_start_loc_cpu=qsl.copy(),
+            seq_lens_cpu=seq_lens.copy(),
+        )
+        sampling_md = None
+        if num_sample:
+            sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
+        return StepInputs(d["input_ids"][:total], d["positions"][:total], md, d["logits_indices"][:num_sample],
+                          sample_rows, sampling_md)
