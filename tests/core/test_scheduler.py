@@ -285,3 +285,31 @@ def test_config_and_request_errors(make_scheduler, make_request):
         s.add_request(make_request("b", 40))
     with pytest.raises(ValueError, match="empty"):
         s.add_request(make_request("c", []))
+
+
+def test_later_request_hits_blocks_of_a_chunked_prefill(make_scheduler, make_request, step):
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add_request(make_request("a", 40))
+    s.add_request(make_request("b", 40))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 16}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 16}
+    # a's last 8 tokens, then b with a's two full blocks already cached.
+    out, res = step(s)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 8}
+    (new_b,) = out.scheduled_new_reqs
+    assert new_b.block_ids == [0, 1, 3] and new_b.num_computed_tokens == 32
+    assert [(o.request_id, o.num_cached_tokens) for o in res.outputs] == [("a", 0), ("b", 32)]
+    pool = s.kv_cache_manager.block_pool
+    assert [pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+
+
+def test_prefix_caching_off_shares_nothing(make_scheduler, make_request, step):
+    s = make_scheduler(enable_prefix_caching=False)
+    s.add_request(make_request("a", 40))
+    s.add_request(make_request("b", 40))
+    out, res = step(s)
+    assert out.num_scheduled_tokens == {"a": 40, "b": 24}
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[0, 1, 2], [3, 4]]
+    assert res.scheduler_stats.prefix_cache_hits == 0

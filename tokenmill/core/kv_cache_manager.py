@@ -118,44 +118,59 @@ class KVCacheManager:
             too few blocks are free, in which case nothing was allocated or
             referenced.
         """
-        new_computed_blocks = new_computed_blocks or []
         assert num_new_tokens > 0
-        assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size
+        block_size = self.block_size
         num_total_computed = request.num_computed_tokens + num_new_computed_tokens
-        assert num_total_computed + num_new_tokens <= self.max_model_len, "scheduled past max_model_len"
+        num_end = num_total_computed + num_new_tokens
+        assert num_end <= self.max_model_len, "scheduled past max_model_len"
         req_blocks = self.req_to_blocks.get(request.request_id)
-        is_admission = req_blocks is None
         if req_blocks is None:
-            req_blocks = []
-        num_required = -(-(num_total_computed + num_new_tokens) // self.block_size)
-        num_fresh = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
-        # Hits sitting in the free queue stop being free once touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_fresh > self.block_pool.get_num_free_blocks() - num_free_hits:
-            return None
-
-        if is_admission:
-            self.req_to_blocks[request.request_id] = req_blocks
-            self.num_cached_block[request.request_id] = 0
-            if self.enable_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_new_computed_tokens
-        # Touch the hits before taking fresh blocks so they cannot be evicted by it.
-        self.block_pool.touch(new_computed_blocks)
-        fresh = self.block_pool.get_new_blocks(num_fresh)
-        req_blocks.extend(new_computed_blocks)
-        req_blocks.extend(fresh)
+            new_computed_blocks = self._admit(request, num_new_computed_tokens, new_computed_blocks, num_end)
+            if new_computed_blocks is None:
+                return None
+            req_blocks = self.req_to_blocks[request.request_id]
+            new_block_ids = [b.block_id for b in req_blocks]
+        else:
+            # A running request (the common case: one decode token).
+            assert not new_computed_blocks, "prefix-cache hits are only taken on admission"
+            num_fresh = -(-num_end // block_size) - len(req_blocks)
+            new_block_ids = []
+            if num_fresh > 0:
+                if num_fresh > self.block_pool.get_num_free_blocks():
+                    return None
+                fresh = self.block_pool.get_new_blocks(num_fresh)
+                req_blocks.extend(fresh)
+                new_block_ids = [b.block_id for b in fresh]
 
         if self.enable_caching:
             # Tokens of the scheduled span are prompt or already-sampled tokens: known now.
-            num_known_tokens = min(num_total_computed + num_new_tokens, request.num_tokens)
-            num_full_blocks = num_known_tokens // self.block_size
+            num_full_blocks = min(num_end, request.num_tokens) // block_size
             num_cached = self.num_cached_block[request.request_id]
             if num_full_blocks > num_cached:
-                block_hashes = update_block_hashes(self.block_size, request)
+                block_hashes = update_block_hashes(block_size, request)
                 self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
                 self.num_cached_block[request.request_id] = num_full_blocks
-        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
+        return new_block_ids
+
+    def _admit(
+        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: list[KVCacheBlock] | None, num_end: int
+    ) -> list[KVCacheBlock] | None:
+        """First allocation of a request: take its hits and fresh blocks, or nothing."""
+        hits = new_computed_blocks or []
+        assert num_new_computed_tokens == len(hits) * self.block_size
+        num_fresh = -(-num_end // self.block_size) - len(hits)
+        # Hits sitting in the free queue stop being free once touched.
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_fresh > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+        # Touch the hits before taking fresh blocks so taking cannot evict them.
+        self.block_pool.touch(hits)
+        self.req_to_blocks[request.request_id] = hits + self.block_pool.get_new_blocks(num_fresh)
+        self.num_cached_block[request.request_id] = 0
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_new_computed_tokens
+        return hits
 
     def free(self, request: Request) -> None:
         """Release all blocks of `request` (tail block first into the LRU queue).

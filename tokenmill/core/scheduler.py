@@ -316,6 +316,7 @@ class Scheduler:
         """
         mro = model_runner_output
         outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             index = mro.req_id_to_index.get(req_id)
@@ -325,15 +326,16 @@ class Scheduler:
             if not sampled:
                 continue  # partial prefill chunk
             new_token_ids: list[int] = []
+            stopped = False
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if stopped := self._check_stop(request):
                     break
             out = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
-                finish_reason=request.get_finished_reason(),
+                finish_reason=request.get_finished_reason() if stopped else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
@@ -343,8 +345,12 @@ class Scheduler:
                 out.new_logprobs = [lp.logprobs[index]]
                 out.new_sampled_token_ranks = [lp.sampled_token_ranks[index]]
             outputs.append(out)
-            if request.is_finished():
-                self.running.remove(request)
+            if stopped:
+                finished.append(request)
+        if finished:
+            gone = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in finished:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time(), scheduler_stats=self.make_stats())
 
