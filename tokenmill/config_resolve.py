@@ -1,0 +1,223 @@
+"""Resolve `EngineArgs` into an `EngineConfig`: model files, device, dtype, limits, defaults.
+
+Per-device scheduler defaults are vLLM's (`vllm/engine/arg_utils.py`,
+`_set_default_args`), keyed by usage ("llm" offline, "server" OpenAI):
+
+    device               max_num_batched_tokens (llm / server)   max_num_seqs (llm / server)
+    CPU                  4096 / 2048                             256 / 128
+    CUDA, >= 70 GiB      16384 / 8192                            1024 / 1024
+    CUDA, smaller        8192 / 2048                             256 / 256
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tokenmill.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_size,
+)
+from tokenmill.model_loader.hf_config import load_generation_config, load_hf_config
+from tokenmill.model_loader.source import BUNDLED_MODEL_NAME, ModelSource, resolve_model_source
+from tokenmill.models.registry import get_supported_archs
+from tokenmill.platforms import current_platform
+from tokenmill.platforms.cuda import force_cc70
+from tokenmill.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "pt")
+# HF config keys that bound the context length (vLLM's _get_and_verify_max_len list, abridged).
+_MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_positions")
+_CPU_KV_CACHE_BYTES = 4 * 1024**3
+_LARGE_GPU_BYTES = 70 * 1024**3
+
+
+def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
+    """Resolve `args` into configs (downloads the model if it is a hub repo id).
+
+    Args:
+        args: the user's arguments.
+        usage: "llm" (offline) or "server"; selects the scheduler defaults.
+
+    Raises:
+        ValueError: an invalid argument, an unsupported architecture, a
+            dtype the device lacks, or a max_model_len beyond the model's.
+    """
+    _validate_args(args, usage)
+    source = resolve_model_source(args.model, args.revision, args.download_dir, args.load_format)
+    hf_config = load_hf_config(source, args.revision, args.trust_remote_code)
+    architecture = _resolve_architecture(hf_config)
+    platform = current_platform(args.device)
+    dtype = _resolve_dtype(args.dtype, platform)
+    max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
+    model_config = ModelConfig(
+        model=args.model if args.model is not None else BUNDLED_MODEL_NAME,
+        model_path=source.weights_path,
+        gguf_file=source.gguf_file,
+        tokenizer=None if args.skip_tokenizer_init else (args.tokenizer or source.weights_path),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        load_format=args.load_format,
+        dtype=_DTYPE_NAMES[dtype],
+        seed=args.seed,
+        max_model_len=max_model_len,
+        architecture=architecture,
+        hf_config=hf_config,
+        generation_config=_resolve_generation_config(args.generation_config, source),
+        served_model_name=args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME),
+        max_logprobs=args.max_logprobs,
+        trust_remote_code=args.trust_remote_code,
+        revision=args.revision,
+        chat_template=args.chat_template,
+    )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=_resolve_cache_config(args, platform),
+        scheduler_config=_resolve_scheduler_config(args, platform, usage, max_model_len),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            disable_custom_all_reduce=args.disable_custom_all_reduce,
+        ),
+        device_config=DeviceConfig(
+            device=platform.device_type,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            force_cc70=platform.device_type == "cuda" and force_cc70(),
+        ),
+    )
+
+
+def _validate_args(args: EngineArgs, usage: str) -> None:
+    if usage not in ("llm", "server"):
+        raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}.")
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise ValueError(f"--block-size must be a power of two >= 1 (e.g. 16), got {args.block_size}.")
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got "
+                         f"{args.tensor_parallel_size} and {args.pipeline_parallel_size}.")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}.")
+    if args.load_format not in _LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(_LOAD_FORMATS)}, got {args.load_format!r}.")
+    if args.dtype != "auto" and args.dtype not in _DTYPE_ALIASES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(_DTYPE_ALIASES)}, got {args.dtype!r}.")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}.")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}.")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}.")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}.")
+    if args.scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
+
+
+def _resolve_architecture(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in get_supported_archs():
+            return arch
+    raise ValueError(f"Model architecture(s) {archs} are not supported by tokenmill. "
+                     f"Supported architectures: {', '.join(get_supported_archs())}.")
+
+
+def _resolve_dtype(requested: str, platform: Platform) -> torch.dtype:
+    if requested == "auto":
+        dtype = platform.default_dtype()
+        logger.info("dtype auto -> %s", platform.default_dtype_reason() or _DTYPE_NAMES[dtype])
+        return dtype
+    dtype = _DTYPE_ALIASES[requested]
+    if dtype not in platform.supported_dtypes():
+        raise ValueError(f"{platform.get_device_name()} does not support {_DTYPE_NAMES[dtype]} "
+                         f"(compute capability {platform.get_device_capability()}); use --dtype float16.")
+    return dtype
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The longest context the model supports: the smallest of its length keys (2048 if none)."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    limits = [v for key in _MAX_LEN_KEYS if isinstance(v := getattr(text_config, key, None), int) and v > 0]
+    return min(limits) if limits else 2048
+
+
+def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = model_max_len(hf_config)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} is larger than the model's maximum context length "
+                         f"{limit}; pass --max-model-len {limit} or less.")
+    return requested
+
+
+def _resolve_generation_config(setting: str, source: ModelSource) -> dict[str, Any]:
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        return load_generation_config(source)
+    if not os.path.isdir(setting):
+        raise ValueError(f"--generation-config must be auto, vllm or a folder with generation_config.json, got {setting!r}.")
+    return load_generation_config(ModelSource(path=setting))
+
+
+def _resolve_cache_config(args: EngineArgs, platform: Platform) -> CacheConfig:
+    kv_bytes = parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes is not None else None
+    if kv_bytes is None and platform.device_type == "cpu":
+        kv_bytes = _CPU_KV_CACHE_BYTES
+    if kv_bytes is not None and kv_bytes <= 0:
+        raise ValueError(f"--kv-cache-memory-bytes must be positive, got {args.kv_cache_memory_bytes}.")
+    return CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory_bytes=kv_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def default_scheduler_limits(platform: Platform, usage: str) -> tuple[int, int]:
+    """vLLM's (max_num_batched_tokens, max_num_seqs) defaults for this device and usage."""
+    server = usage == "server"
+    if platform.device_type == "cpu":
+        return (2048, 128) if server else (4096, 256)
+    if (platform.total_memory_bytes() or 0) >= _LARGE_GPU_BYTES:
+        return (8192, 1024) if server else (16384, 1024)
+    return (2048, 256) if server else (8192, 256)
+
+
+def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, max_model_len: int) -> SchedulerConfig:
+    default_tokens, default_seqs = default_scheduler_limits(platform, usage)
+    max_num_seqs = args.max_num_seqs or default_seqs
+    max_num_batched_tokens = args.max_num_batched_tokens or default_tokens
+    if not args.enable_chunked_prefill:
+        # Without chunking a whole prompt must fit in one step.
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"With chunked prefill disabled, --max-num-batched-tokens ({args.max_num_batched_tokens}) "
+                             f"must be >= --max-model-len ({max_model_len}); raise it or lower --max-model-len.")
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        policy=args.scheduling_policy,
+    )

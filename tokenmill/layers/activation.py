@@ -1,0 +1,54 @@
+"""Gated activations for fused gate_up projections (GLU variants, Shazeer 2020).
+
+Input `[..., 2 * d]` = `[gate | up]` (as MergedColumnParallelLinear lays it
+out per rank); output `[..., d]` = act(gate) * up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU: silu(x[..., :d]) * x[..., d:]. x [..., 2d] -> [..., d]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU: gelu(x[..., :d]) * x[..., d:]. `approximate` is "tanh" (Gemma's gelu_pytorch_tanh) or "none"."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GeluAndMul approximate must be 'tanh' or 'none', got {approximate!r}.")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+_ACT_AND_MUL = {
+    "silu": lambda: SiluAndMul(),
+    "swish": lambda: SiluAndMul(),
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_new": lambda: GeluAndMul("tanh"),
+    "gelu": lambda: GeluAndMul("none"),
+}
+
+
+def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
+    """The gated activation for a HF `hidden_act` / `hidden_activation` name.
+
+    Raises:
+        ValueError: the activation is not supported.
+    """
+    make = _ACT_AND_MUL.get(hidden_act)
+    if make is None:
+        raise ValueError(f"Activation {hidden_act!r} is not supported; supported: {', '.join(sorted(_ACT_AND_MUL))}.")
+    return make()

@@ -1,0 +1,55 @@
+"""RMSNorm with an optional fused residual add.
+
+RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w, computed
+in float32 and cast back as HF's LlamaRMSNorm does. The Gemma variant
+scales by (1 + w) in float32 before the cast (HF's GemmaRMSNorm), so its
+checkpoint weights are stored around 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dim.
+
+    Args:
+        hidden_size: size of the last dim.
+        eps: added to the mean square.
+        gemma: scale by `1 + weight` (Gemma family) instead of `weight`.
+
+    forward(x [..., hidden_size], residual=None):
+        residual None -> returns normed x (same dtype as x).
+        residual given -> x = x + residual; returns (normed x, x) so the
+        decoder layer carries the sum as the next residual (as vLLM's fused
+        add-RMSNorm; one pass over memory on GPU kernels that fuse it).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, gemma: bool = False) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.gemma = gemma
+        init = torch.zeros(hidden_size) if gemma else torch.ones(hidden_size)
+        self.weight = nn.Parameter(init.to(torch.get_default_dtype()), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, gemma={self.gemma}"

@@ -1,0 +1,214 @@
+"""Linear layers, Megatron-LM style, ready for tensor parallelism.
+
+Each layer holds only its rank's shard of the weight, `[out, in]` as
+`torch.nn.functional.linear` wants, and attaches a `weight_loader` to its
+parameters that copies the rank's slice of a full checkpoint tensor:
+
+    ColumnParallelLinear   splits the output dim: W = [W_0; W_1; ...] (rows)
+    RowParallelLinear      splits the input dim:  W = [W_0, W_1, ...] (cols),
+                           partial outputs are summed with an all-reduce
+    MergedColumnParallelLinear  several column layers fused (gate_up_proj)
+    QKVParallelLinear      q, k, v fused; heads split across ranks
+
+The split of a transformer MLP / attention block is Column -> Row, so only
+one all-reduce per block is needed (Shoeybi et al. 2019, "Megatron-LM").
+Parameters are created with `torch.empty` under the caller's default device
+and dtype (the loader builds the model inside `with torch.device(...)`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator}).")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"Checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(param.shape)}.")
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into `param`, casting dtype and device.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    _copy_checked(param, loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """Holds `weight [output_size_per_partition, input_size_per_partition]` and optional `bias`."""
+
+    def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        dtype = params_dtype or torch.get_default_dtype()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size_per_partition, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        _copy_checked(param, loaded_weight)
+
+
+class ReplicatedLinear(LinearBase):
+    """A full copy of the layer on every rank. forward: x [..., in] -> [..., out]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, output_size, bias, params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X W^T with W's output rows split across ranks.
+
+    forward: x [..., input_size] -> [..., output_size / tp] (or the full
+    [..., output_size] with `gather_output=True`).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        super().__init__(input_size, _divide(output_size, tp, "output size"), bias, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers with one weight, e.g. gate_up_proj = [gate; up].
+
+    Each rank holds `[gate_r; up_r]` (its slice of every part, parts stacked),
+    so an activation like SiluAndMul can split the output in half locally.
+    `weight_loader(param, loaded_weight, shard_id)` loads part `shard_id`
+    (an index into `output_sizes`) from its full checkpoint tensor.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, gather_output: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        for size in output_sizes:
+            _divide(size, tp, "merged output size")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:  # an already-merged checkpoint tensor
+            # Reorder [gate; up] (full) into this rank's [gate_r; up_r].
+            parts, offset = [], 0
+            for size in self.output_sizes:
+                part = size // self.tp_size
+                parts.append(loaded_weight.narrow(0, offset + self.tp_rank * part, part))
+                offset += size
+            _copy_checked(param, torch.cat(parts, dim=0))
+            return
+        part = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy_checked(param.data.narrow(0, offset, part), loaded_weight.narrow(0, self.tp_rank * part, part))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections with attention heads split across ranks.
+
+    Output per rank: `[q (num_heads * head_size) | k (num_kv_heads * head_size) |
+    v (num_kv_heads * head_size)]`. When tp > total_num_kv_heads the kv heads
+    are replicated: rank r holds kv head `r // (tp / total_num_kv_heads)`.
+    `weight_loader(param, loaded_weight, shard_id)` takes shard_id "q", "k" or "v".
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
+                 bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
+        if tp >= total_num_kv_heads:
+            _divide(tp, total_num_kv_heads, "tensor_parallel_size over kv heads")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp // total_num_kv_heads
+        else:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "number of kv heads")
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp * head_size
+        super().__init__(hidden_size, output_size, bias, False, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear loads q, k and v separately; pass shard_id 'q', 'k' or 'v'.")
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, index = self.q_size, self.kv_size, self.tp_rank // self.num_kv_head_replicas
+        elif shard_id == "v":
+            offset, size, index = self.q_size + self.kv_size, self.kv_size, self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"Unknown qkv shard_id {shard_id!r}; expected 'q', 'k' or 'v'.")
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, index * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X W^T with W's input columns split across ranks; partial sums all-reduced.
+
+    forward: x [..., input_size / tp] (already split, as a column layer's
+    output) -> [..., output_size]. The bias is added once, after the reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
+                 params_dtype: torch.dtype | None = None) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.reduce_results = reduce_results
+        super().__init__(_divide(input_size, tp, "input size"), output_size, bias, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: not split
+            _copy_checked(param, loaded_weight)
+            return
+        shard = param.shape[1]
+        _copy_checked(param, loaded_weight.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tensor_model_parallel_all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,155 @@
+"""Rotary position embedding (RoPE; Su et al. 2021, "RoFormer").
+
+Neox style (HF Llama's `rotate_half`): a head vector's first half pairs with
+its second half, `x1 = x[:d/2], x2 = x[d/2:]`, and position p rotates pair i
+by angle `p * inv_freq[i]`, `inv_freq[i] = theta ** (-2i / d)`:
+
+    out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+
+The GPT-J style (`is_neox_style=False`) pairs adjacent dims (0,1), (2,3), ...
+Frequency scalings follow transformers' `modeling_rope_utils.py`:
+"default", "linear" (inv_freq / factor) and "llama3" (Llama-3.1: long
+wavelengths divided by `factor`, short ones kept, a smooth blend between).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters of a HF config as one dict with `rope_theta` and `rope_type`.
+
+    Reads transformers 5's `config.rope_parameters` (a dict, or a dict of
+    dicts keyed by layer type such as "full_attention"/"sliding_attention"
+    for Gemma 3; pick one with `layer_type`) or the older `rope_theta` +
+    `rope_scaling` attributes (`rope_scaling["type"]` accepted as
+    `rope_type`). Missing theta defaults to 10000 (HF's default).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        elif "rope_theta" not in params and "rope_type" not in params:
+            # Keyed by layer type but none asked for: take the full-attention one.
+            params = params.get("full_attention") or next(iter(params.values()))
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+        out["rope_theta"] = getattr(config, "rope_theta", None) or out.get("rope_theta", 10000.0)
+    out.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    rope_type = out.get("rope_type") or out.get("type") or "default"
+    out["rope_type"] = rope_type
+    return out
+
+
+def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """inv_freq [rotary_dim // 2] float32 for the given RoPE parameters.
+
+    Raises:
+        ValueError: an unsupported `rope_type`.
+    """
+    base = float(rope_parameters["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_parameters["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_parameters)
+    raise ValueError(f"RoPE type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    # Meta's Llama 3.1 reference `apply_scaling`, as in transformers' _compute_llama3_parameters.
+    factor = float(p["factor"])
+    low_freq_factor = float(p["low_freq_factor"])
+    high_freq_factor = float(p["high_freq_factor"])
+    old_context_len = float(p["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k (returns rotated copies).
+
+    Args:
+        head_size: size of each head.
+        rotary_dim: leading dims of each head that rotate (== head_size
+            unless the model uses a partial rotary factor).
+        max_position: positions the cos/sin cache covers (positions must be < it).
+        rope_parameters: as returned by `rope_parameters_from_config`.
+        is_neox_style: rotate halves (True, Llama) or adjacent pairs (False).
+
+    forward(positions [T] int64, query [T, nh * head_size], key [T, nkv * head_size])
+    -> (query, key) of the same shapes and dtype.
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict[str, Any],
+                 is_neox_style: bool = True) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.is_neox_style = is_neox_style
+        inv_freq = compute_inv_freq(rotary_dim, rope_parameters)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
+        # Kept in float32 (cast to the activations' dtype at use, as HF does).
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, n, head_size]; cos, sin [T, 1, rotary_dim // 2]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = positions.shape[0]
+        cos = self.cos_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
+        q = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
+        k = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any], rotary_dim: int | None = None,
+             is_neox_style: bool = True) -> RotaryEmbedding:
+    """A RotaryEmbedding; `rotary_dim` defaults to `head_size * partial_rotary_factor`.
+
+    Identical requests return the same module, so all layers of a model share
+    one cos/sin cache (Llama 3.1's 131072 positions would otherwise cost
+    64 MiB per layer).
+    """
+    if rotary_dim is None:
+        rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
+    device = torch.empty(0).device  # the caller's default device (`with torch.device(...)`)
+    key = (head_size, rotary_dim, max_position, is_neox_style, str(device),
+           tuple(sorted((k, repr(v)) for k, v in rope_parameters.items())))
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
+        _ROPE_CACHE[key] = rope
+    return rope

@@ -1,0 +1,126 @@
+"""Read GGUF (llama.cpp) weights as HF-named float tensors.
+
+Each tensor is dequantized on the CPU with the `gguf` package's NumPy
+reference (`gguf.quants.dequantize`: F32, F16, BF16, Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q2_K..Q6_K, ...), reshaped (GGUF lists dims fastest-first, so
+the PyTorch shape is the reverse), renamed to the HF checkpoint name, and
+undone from the two layout changes llama.cpp's `convert_hf_to_gguf.py`
+makes: Q/K row permutation (llama arch) and Gemma's `norm + 1`.
+The `gguf` package is imported only here, only when a GGUF file is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+# GGUF block tensor base name -> HF name under `model.layers.N.`
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+# Per GGUF architecture overrides of _BLOCK_NAMES (Gemma has four norms per block).
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Recomputed from the config, never loaded (llama 3 rope frequency factors).
+_SKIPPED = ("rope_freqs.weight",)
+# llama.cpp permutes Q/K rows for these archs (convert_hf_to_gguf.py LlamaModel.permute);
+# the same set transformers undoes (modeling_gguf_pytorch_utils.TENSOR_PROCESSORS).
+_PERMUTED_QK_ARCHS = {"llama"}
+# llama.cpp stores Gemma RMSNorm weights as w + 1 (HF keeps w and scales by 1 + w).
+_NORM_PLUS_ONE_ARCHS = {"gemma", "gemma2", "gemma3"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str, arch: str) -> str | None:
+    """HF checkpoint name of GGUF tensor `name` (None for tensors that are skipped).
+
+    Example: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+
+    Raises:
+        ValueError: the tensor name is not known.
+    """
+    if name in _SKIPPED:
+        return None
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, base, kind = m.groups()
+        hf = _ARCH_BLOCK_NAMES.get(arch, {}).get(base) or _BLOCK_NAMES.get(base)
+        if hf is not None:
+            return f"model.layers.{layer}.{hf}.{kind}"
+    else:
+        base, _, kind = name.rpartition(".")
+        if base in _TOP_NAMES:
+            return f"{_TOP_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} ({arch} architecture) has no known HF name; this GGUF is not supported.")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K permutation of `w` [n_head * head_dim, ...].
+
+    llama.cpp regroups each head's rows from rotate-half order to
+    interleaved pairs: rows `reshape(n_head, 2, head_dim/2)` are swapped to
+    `(n_head, head_dim/2, 2)`. This reads them back as
+    `(n_head, head_dim/2, 2)` and swaps to `(n_head, 2, head_dim/2)`.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 CPU tensor) for every tensor of `gguf_file`.
+
+    `hf_config` gives the head counts needed to undo the Q/K permutation.
+
+    Raises:
+        ValueError: a tensor name or quantization type is not supported.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    arch = _read_arch(reader)
+    n_head = hf_config.num_attention_heads
+    n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name, arch)
+        if hf_name is None:
+            continue
+        try:
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {tensor.tensor_type.name}, "
+                             f"which the gguf package cannot dequantize: {e}") from e
+        # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
+        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if arch in _PERMUTED_QK_ARCHS:
+            if ".attn_q." in tensor.name:
+                w = unpermute_qk(w, n_head)
+            elif ".attn_k." in tensor.name:
+                w = unpermute_qk(w, n_kv_head)
+        if arch in _NORM_PLUS_ONE_ARCHS and "norm.weight" in tensor.name:
+            w = w - 1.0
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _read_arch(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError("The GGUF file has no general.architecture field.")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")

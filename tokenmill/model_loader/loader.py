@@ -1,0 +1,96 @@
+"""Build the registered model class and fill its weights (safetensors, .bin, GGUF or dummy)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model_loader.dummy import initialize_dummy_weights
+from tokenmill.model_loader.weight_utils import pt_weights_iterator, safetensors_files, safetensors_weights_iterator
+from tokenmill.models.registry import resolve_model_cls
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`torch.float16` or its name ("float16", "bfloat16", "float32") -> torch dtype.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def iterate_weights(model_config: ModelConfig, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the model's checkpoint in the chosen load format.
+
+    Safetensors are read straight onto `device`; GGUF and .bin tensors come
+    on the CPU (the parameters' weight loaders move and cast them).
+
+    Raises:
+        ValueError: the folder has no weights in the requested format.
+    """
+    fmt = model_config.load_format
+    if model_config.gguf_file is not None and fmt in ("auto", "gguf"):
+        from tokenmill.model_loader.gguf_loader import gguf_weights_iterator
+
+        return gguf_weights_iterator(model_config.gguf_file, model_config.hf_config)
+    if fmt == "gguf":
+        raise ValueError(f"--load-format gguf needs a .gguf file, but {model_config.model_path} is not one.")
+    folder = model_config.model_path
+    files = safetensors_files(folder) if fmt in ("auto", "safetensors") else []
+    if files:
+        return safetensors_weights_iterator(files, device)
+    if fmt == "safetensors":
+        raise ValueError(f"{folder} has no *.safetensors files (pass --load-format auto or pt for .bin weights).")
+    return pt_weights_iterator(folder)
+
+
+def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str | torch.dtype) -> nn.Module:
+    """The model of `model_config` on `device` in `dtype`, weights loaded, in eval mode.
+
+    Parameters are allocated directly on `device` under `dtype` (no CPU
+    copy of the full model), then each checkpoint tensor is copied in.
+
+    Raises:
+        ValueError: unsupported architecture, missing or mismatched weights.
+    """
+    model_cls, _ = resolve_model_cls(getattr(model_config.hf_config, "architectures", None))
+    torch_dtype = to_torch_dtype(dtype)
+    start = time.perf_counter()
+    with torch.device(device), _default_dtype(torch_dtype):
+        model = model_cls(model_config.hf_config)
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model, seed=model_config.seed)
+    else:
+        with torch.no_grad():
+            loaded = model.load_weights(iterate_weights(model_config, device))
+        missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"The checkpoint at {model_config.model_path} lacks weights for: {shown}.")
+    logger.info("Loaded %s (%s, %s) in %.1f s", model_config.architecture or model_cls.__name__,
+                torch_dtype, device, time.perf_counter() - start)
+    return model.eval()
