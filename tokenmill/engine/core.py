@@ -1,0 +1,141 @@
+"""EngineCore: the executor (model + KV cache) and the Scheduler, stepped together.
+
+    add_request ──> Scheduler.waiting
+    step():  schedule() ──SchedulerOutput──> executor.execute_model()
+             update_from_output() <──ModelRunnerOutput──┘  -> EngineCoreOutputs
+
+Used in-process by `LLMEngine` and in its own process by the server
+(`engine/core_proc.py`). It sees token ids only, never text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.request import EngineCoreOutputs, EngineCoreRequest, Request, RequestStatus, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
+
+
+def kv_cache_bytes_per_block(engine_config: Any) -> int:
+    """Bytes one KV block takes over all layers (K and V), for the start-up log.
+
+    2 * num_layers * block_size * num_kv_heads * head_dim * bytes(dtype), the
+    layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+    """
+    mc = engine_config.model_config
+    hf = mc.hf_config
+    num_heads = int(getattr(hf, "num_attention_heads", 1))
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(hf, "head_dim", None) or int(hf.hidden_size) // num_heads
+    num_layers = int(getattr(hf, "num_hidden_layers", 1))
+    dtype_bytes = _DTYPE_BYTES.get(str(mc.dtype).replace("torch.", ""), 2)
+    return 2 * num_layers * engine_config.cache_config.block_size * num_kv_heads * int(head_dim) * dtype_bytes
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Raise when one `max_model_len` sequence cannot fit in the KV cache.
+
+    Raises:
+        ValueError: with the largest max_model_len that fits and the flags that help.
+    """
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {num_blocks} blocks x {block_size} tokens = {capacity} tokens, fewer than one "
+            f"sequence of max_model_len={max_model_len} needs. The largest max_model_len that fits is {capacity}; "
+            f"pass --max-model-len {capacity} or give the KV cache more memory (--kv-cache-memory-bytes / "
+            "--gpu-memory-utilization / --num-gpu-blocks-override)."
+        )
+
+
+def _executor_class(engine_config: Any) -> type:
+    if engine_config.parallel_config.world_size == 1:
+        from tokenmill.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor
+    try:
+        from tokenmill.executor.multiproc import MultiprocExecutor
+    except ImportError as e:
+        raise ValueError(f"tensor/pipeline parallel size {engine_config.parallel_config.world_size} needs the "
+                         "multi-process executor, which this build does not have; run with world size 1.") from e
+    return MultiprocExecutor
+
+
+class EngineCore:
+    """Scheduler + executor for one engine.
+
+    Args:
+        engine_config: the resolved `EngineConfig`; `cache_config.num_gpu_blocks`
+            is filled here.
+        executor_class: override the executor (tests pass a fake one).
+
+    Raises:
+        ValueError: the KV cache cannot hold one max_model_len sequence.
+    """
+
+    def __init__(self, engine_config: Any, executor_class: type | None = None) -> None:
+        self.engine_config = engine_config
+        cache = engine_config.cache_config
+        sched_cfg = engine_config.scheduler_config
+        self.executor = (executor_class or _executor_class(engine_config))(engine_config)
+        num_blocks = int(cache.num_gpu_blocks_override or self.executor.determine_num_available_blocks())
+        if num_blocks <= 0:
+            raise ValueError("No memory is left for the KV cache after loading the model; give it more memory "
+                             "(--kv-cache-memory-bytes / --gpu-memory-utilization) or use a smaller model.")
+        max_model_len = sched_cfg.max_model_len
+        self._log_kv_cache(num_blocks, cache.block_size, max_model_len)
+        check_kv_cache_fits(num_blocks, cache.block_size, max_model_len)
+        self.executor.initialize_kv_cache(num_blocks)
+        cache.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(sched_cfg, cache, num_blocks)
+
+    def _log_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        tokens = num_blocks * block_size
+        gib = num_blocks * kv_cache_bytes_per_block(self.engine_config) / 2**30
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: "
+                    "%.1fx requests", num_blocks, block_size, tokens, gib, max_model_len, tokens / max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a processed request. `sampling_params.max_tokens` must be set (InputProcessor does it).
+
+        Raises:
+            ValueError: duplicate id, or a prompt the scheduler refuses.
+        """
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine_config.scheduler_config.max_model_len - len(request.prompt_token_ids)
+        self.scheduler.add_request(Request(request, max_tokens))
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests early and free their blocks (unknown ids are ignored).
+
+        `status` is FINISHED_ABORTED for aborts, FINISHED_STOPPED when a stop
+        string matched in the output processor.
+        """
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one scheduling step; empty outputs when nothing could be scheduled."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

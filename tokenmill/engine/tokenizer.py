@@ -1,0 +1,152 @@
+"""Tokenizer loading (folders, hub ids, GGUF files) and chat-template rendering.
+
+A GGUF file carries its tokenizer inside the file; transformers rebuilds a
+fast tokenizer from it (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`),
+which takes 5-25 s. The rebuilt tokenizer is saved once under
+`~/.cache/tokenmill/tokenizers/<key>` (key = sha256 of the file's path,
+size and mtime; env `TOKENMILL_CACHE_DIR` moves the root) and loaded from
+there afterwards in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Files save_pretrained writes that prove a cached conversion is complete.
+_CACHE_MARKER = "tokenizer.json"
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
+    return Path(root) / "tokenizers"
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def load_tokenizer(path: str, gguf_file: str | None = None, revision: str | None = None,
+                   trust_remote_code: bool = False) -> Any:
+    """Load a fast (tokenizers-backed) tokenizer.
+
+    Args:
+        path: a folder, a hub repo id, or a `.gguf` file.
+        gguf_file: file name inside the folder `path` when the tokenizer comes
+            from a GGUF file.
+        revision: hub revision.
+        trust_remote_code: passed to transformers.
+
+    Returns:
+        A transformers tokenizer whose `backend_tokenizer` is a `tokenizers.Tokenizer`.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded from `path`.
+    """
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if gguf_file is None and p.suffix == ".gguf" and p.is_file():
+        p, gguf_file = p.parent, p.name
+    if gguf_file is not None:
+        gguf_path = Path(p) / gguf_file
+        cache_dir = _gguf_cache_dir(gguf_path)
+        if (cache_dir / _CACHE_MARKER).is_file():
+            return AutoTokenizer.from_pretrained(str(cache_dir))
+        logger.info("Converting the tokenizer in %s (done once; cached in %s).", gguf_path, cache_dir)
+        tok = AutoTokenizer.from_pretrained(str(p), gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        # Write to a private folder, then rename: a concurrent loader never sees half a cache.
+        tmp = cache_dir.with_name(f"{cache_dir.name}.tmp{os.getpid()}")
+        try:
+            tok.save_pretrained(str(tmp))
+            os.replace(tmp, cache_dir)
+        except OSError as e:  # a read-only home (or a racing writer) must not stop the engine
+            logger.warning("Could not cache the converted tokenizer in %s: %s", cache_dir, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return tok
+    try:
+        return AutoTokenizer.from_pretrained(str(path), revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Cannot load a tokenizer from {path!r}: {e}. Pass --tokenizer with a tokenizer folder "
+                         "or hub id.") from e
+
+
+def get_tokenizer(model_config: Any) -> Any | None:
+    """The tokenizer for `model_config` (a `ModelConfig`), or None with skip_tokenizer_init.
+
+    `model_config.tokenizer` (the `--tokenizer` override, or the model's path)
+    wins; when it is the GGUF file that holds the weights (or the folder that
+    holds it and has no tokenizer files), the GGUF's embedded tokenizer is used.
+    """
+    if model_config.skip_tokenizer_init:
+        return None
+    path = model_config.tokenizer or model_config.model_path
+    gguf_file = None
+    p = Path(path)
+    if p.suffix == ".gguf":
+        p, gguf_file = p.parent, p.name
+    elif model_config.gguf_file and p.is_dir() and not (p / "tokenizer.json").exists() \
+            and not (p / "tokenizer_config.json").exists():
+        gguf_file = Path(model_config.gguf_file).name
+    return load_tokenizer(str(p), gguf_file=gguf_file, revision=model_config.revision,
+                          trust_remote_code=model_config.trust_remote_code)
+
+
+def resolve_chat_template(template: str | None) -> str | None:
+    """A chat template given as a file path or as inline Jinja text -> the text.
+
+    Raises:
+        ValueError: `template` looks like a path (no Jinja braces) but no file is there.
+    """
+    if template is None:
+        return None
+    if "{" in template or "\n" in template:
+        return template
+    p = Path(template).expanduser()
+    if p.is_file():
+        return p.read_text()
+    raise ValueError(f"Chat template {template!r} is neither a readable file nor Jinja text.")
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """Render a conversation to prompt text with the tokenizer's (or the given) chat template.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        messages: OpenAI-style `[{"role": ..., "content": ...}, ...]`.
+        chat_template: a file path or Jinja text that replaces the tokenizer's template.
+        add_generation_prompt: end with the assistant turn's opening.
+        **kwargs: extra template variables (`chat_template_kwargs`, `tools`, ...).
+
+    Returns:
+        The prompt text. Tokenize it with `add_special_tokens=False`: the
+        template already wrote any BOS.
+
+    Raises:
+        ValueError: no template is given and the tokenizer has none, or the
+            template fails to render.
+    """
+    if tokenizer is None:
+        raise ValueError("Chat needs a tokenizer; the engine was started with skip_tokenizer_init.")
+    template = resolve_chat_template(chat_template)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("This tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
+                         "pass one with --chat-template (a file or Jinja text) or use plain completions.")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:  # jinja2 errors (TemplateError, raise_exception in templates) are user errors
+        if type(e).__module__.startswith("jinja2") or isinstance(e, (ValueError, TypeError, KeyError)):
+            raise ValueError(f"The chat template could not render these messages: {e}") from e
+        raise
+    assert isinstance(text, str)
+    return text
