@@ -1,0 +1,216 @@
+"""ModelRunner: one device's model, KV cache and persistent batch; runs one step.
+
+Step (`execute_model`):
+    scheduler diffs -> InputBatch rows -> input_ids / positions / metadata
+    -> model forward under the forward context -> logits at logits_indices
+    -> Sampler -> sampled ids appended to the batch -> ModelRunnerOutput.
+The only host<->device sync is one `.tolist()` of the results at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.attention.selector import get_attn_backend
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tokenmill.forward_context import set_forward_context
+from tokenmill.sample.sampler import Sampler, SamplerOutput
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_spec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+class ModelRunner:
+    """Args: engine_config; device: this worker's torch device; tp_size: tensor-parallel ranks."""
+
+    def __init__(self, engine_config: EngineConfig, device: torch.device, tp_size: int = 1) -> None:
+        self.config = engine_config
+        self.device = device
+        mc, cc, sc = engine_config.model_config, engine_config.cache_config, engine_config.scheduler_config
+        self.dtype = _DTYPES[mc.dtype] if isinstance(mc.dtype, str) else mc.dtype
+        self.max_model_len = mc.max_model_len
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, tp_size)
+        self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)
+        self.pin_memory = device.type == "cuda"
+        text_cfg = mc.hf_config.get_text_config() if hasattr(mc.hf_config, "get_text_config") else mc.hf_config
+        self.vocab_size = text_cfg.vocab_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_num_tokens, cc.block_size, self.vocab_size,
+            device, self.pin_memory,
+        )
+
+    # ---- set-up ------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from tokenmill.model_loader import get_model
+
+        self.model = get_model(self.config.model_config, self.device, self.dtype)
+
+    def determine_num_available_blocks(self) -> int:
+        """KV blocks this device can hold.
+
+        num_gpu_blocks_override wins; on CPU kv_cache_memory_bytes (default 4 GiB)
+        // bytes_per_block; on CUDA kv_cache_memory_bytes if given, else
+        (gpu_memory_utilization * total - peak of a dummy max-size step) // bytes_per_block.
+
+        Raises:
+            ValueError: not even one block fits.
+        """
+        cc = self.config.cache_config
+        per_block = self.spec.bytes_per_block
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type != "cuda":
+            budget = _CPU_DEFAULT_KV_BYTES
+        else:
+            budget = self._profile_free_cuda_memory()
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"No memory is left for the KV cache ({budget / 2**30:.2f} GiB available, one block needs "
+                f"{per_block / 2**20:.1f} MiB); raise --gpu-memory-utilization or --kv-cache-memory-bytes, "
+                "or lower --max-num-batched-tokens."
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_cuda_memory(self) -> int:
+        """Bytes left for KV after the weights and a dummy step of max_num_batched_tokens."""
+        assert self.model is not None, "load_model() first"
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.max_num_tokens
+        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.max_model_len
+        with set_forward_context(None, [], self.attn_backend):
+            hidden = self._run_model(input_ids, positions)
+        self.model.compute_logits(hidden[: self.max_num_reqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        del hidden
+        torch.cuda.empty_cache()
+        free = int(self.config.cache_config.gpu_memory_utilization * total - peak)
+        logger.info("Memory profile: peak %.2f GiB of %.2f GiB; %.2f GiB for the KV cache",
+                    peak / 2**30, total / 2**30, max(free, 0) / 2**30)
+        return max(free, 0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks per layer.
+
+        Raises:
+            ValueError: one max_model_len sequence would not fit; the message
+                gives the largest max_model_len that would.
+        """
+        bs = self.spec.block_size
+        need = -(-self.max_model_len // bs)
+        if num_blocks < need:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), less than one sequence of "
+                f"max_model_len={self.max_model_len}; use --max-model-len {num_blocks * bs} or less, or give the "
+                "KV cache more memory."
+            )
+        self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
+        logger.info("KV cache: %d blocks, %d tokens, max concurrency %.2fx at max_model_len %d",
+                    num_blocks, num_blocks * bs, num_blocks / need, self.max_model_len)
+
+    # ---- one step -------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns a token for each scheduled request that reached its end."""
+        assert self.model is not None and self.kv_caches, "load_model() and initialize_kv_cache() first"
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        batch = self.input_batch
+        inputs = batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
+        with set_forward_context(inputs.attn_metadata, self.kv_caches, self.attn_backend):
+            hidden = self._run_model(inputs.input_ids, inputs.positions)
+        step_rows = np.fromiter(
+            (batch.req_id_to_index[r] for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0), np.int64
+        )
+        step_rows.sort()  # prepare_inputs orders requests by row
+        req_ids = [batch.req_ids[r] for r in step_rows.tolist()]
+        index = {r: i for i, r in enumerate(req_ids)}
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs = None
+        if inputs.sampling_metadata is not None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            out = self.sampler(logits, inputs.sampling_metadata)
+            token_ids, lp_rows = _to_host(out)
+            batch.append_sampled(inputs.sample_rows, np.array(token_ids, np.int64))
+            sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
+            for rid, tok in zip(sample_req_ids, token_ids):
+                sampled[index[rid]] = [tok]
+            if lp_rows is not None:
+                logprobs = self._logprobs_lists(req_ids, index, sample_req_ids, lp_rows)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward pass; a CUDA-graph replay for padded decode sizes slots in here."""
+        assert self.model is not None
+        return self.model(input_ids, positions)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = batch.req_id_to_index[req_id]
+            batch.block_table.append_row(row, new_blocks)
+            batch.num_computed_tokens[row] = num_computed
+
+    def _logprobs_lists(
+        self, req_ids: list[str], index: dict[str, int], sample_req_ids: list[str], lp_rows: list[list[float]]
+    ) -> LogprobsLists:
+        """Per request: [sampled, top-1..top-k] ids and logprobs, k its own `logprobs`; [] if not asked."""
+        n = len(req_ids)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        vals: list[list[float]] = [[] for _ in range(n)]
+        ranks = [0] * n
+        batch = self.input_batch
+        for rid, row in zip(sample_req_ids, lp_rows):
+            k = int(batch.sampling.num_logprobs[batch.req_id_to_index[rid]])
+            if k < 0:
+                continue
+            width = (len(row) - 1) // 2
+            i = index[rid]
+            ids[i] = [int(x) for x in row[: k + 1]]
+            vals[i] = row[width : width + k + 1]
+            ranks[i] = int(row[-1])
+        return LogprobsLists(ids, vals, ranks)
+
+
+def _to_host(out: SamplerOutput) -> tuple[list[int], list[list[float]] | None]:
+    """One device->host sync for all results.
+
+    With logprobs, each row is packed as float64 [ids (k+1) | logprobs (k+1) | rank]
+    (token ids < 2**53 are exact in float64).
+    """
+    if out.logprobs is None:
+        return out.sampled_token_ids.tolist(), None
+    packed = torch.cat(
+        [out.logprob_token_ids.double(), out.logprobs.double(), out.sampled_token_ranks.double()[:, None]], dim=1
+    ).tolist()
+    # Column 0 is the sampled id.
+    return [int(r[0]) for r in packed], packed
