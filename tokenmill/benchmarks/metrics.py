@@ -1,0 +1,251 @@
+"""Serving-benchmark metrics: per-request timings in, vLLM's summary numbers out.
+
+Definitions (as vLLM's `benchmark_serving` / `vllm bench serve`):
+
+- TTFT: time from sending the request to the first content chunk.
+- TPOT: per request, `(e2el - ttft) / (output_tokens - 1)`; requests with
+  one output token have no TPOT.
+- ITL: every gap between successive content chunks, pooled over requests.
+- E2EL: time from sending the request to the end of the stream.
+- goodput: completed requests meeting every SLO, per second of benchmark.
+
+All per-request times are seconds; reported statistics are milliseconds.
+Percentiles are NumPy's default (linear interpolation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tokenmill.benchmarks.datasets import SampleRequest
+
+METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+METRIC_HEADERS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(slots=True)
+class RequestFuncOutput:
+    """What one streamed request measured (times in seconds, `time.perf_counter` clock)."""
+
+    success: bool = False
+    generated_text: str = ""
+    ttft: float = 0.0  # send -> first content chunk
+    itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
+    latency: float = 0.0  # send -> end of stream
+    num_chunks: int = 0  # content chunks received
+    prompt_tokens: int = 0  # server usage.prompt_tokens; 0 = not reported
+    output_tokens: int = 0  # server usage.completion_tokens; 0 = not reported
+    error: str = ""
+
+
+@dataclass(slots=True)
+class MetricStats:
+    """mean / median / std and chosen percentiles of one metric, in ms."""
+
+    mean: float
+    median: float
+    std: float
+    percentiles: list[tuple[float, float]]  # (percentile, value_ms)
+
+
+@dataclass(slots=True)
+class BenchmarkMetrics:
+    completed: int
+    failed: int
+    total_input: int  # prompt tokens of completed requests
+    total_output: int  # output tokens of completed requests
+    request_throughput: float  # completed / s
+    request_goodput: float | None  # completed within all SLOs / s; None without --goodput
+    output_throughput: float  # output tok / s
+    total_token_throughput: float  # (input + output) tok / s
+    stats: dict[str, MetricStats]  # metric key (ttft, tpot, itl, e2el) -> stats
+    input_lens: list[int]  # per request (0 for failed ones)
+    output_lens: list[int]  # per request (0 for failed ones)
+
+
+def percentile_label(p: float) -> str:
+    """`99.0 -> "99"`, `99.9 -> "99.9"` (vLLM's key spelling)."""
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def parse_percentiles(text: str) -> list[float]:
+    """Parse `--metric-percentiles` such as `"50,95,99"`.
+
+    Raises:
+        ValueError: a value is not a number in [0, 100].
+    """
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--metric-percentiles must be comma-separated numbers, got {text!r}.") from e
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise ValueError(f"--metric-percentiles must be numbers in [0, 100], got {text!r}.")
+    return values
+
+
+def parse_metric_names(text: str) -> list[str]:
+    """Parse `--percentile-metrics` such as `"ttft,tpot,itl,e2el"`.
+
+    Raises:
+        ValueError: an unknown metric name.
+    """
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in METRIC_NAMES]
+    if bad or not names:
+        raise ValueError(f"--percentile-metrics takes a comma-separated subset of {','.join(METRIC_NAMES)}; "
+                         f"got {text!r}.")
+    return names
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """Parse `--goodput ttft:500 tpot:50` into `{"ttft": 500.0, "tpot": 50.0}` (ms).
+
+    Raises:
+        ValueError: an item is not `KEY:VALUE`, the key is not ttft/tpot/e2el,
+            or the value is not a non-negative number.
+    """
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput takes KEY:VALUE pairs with KEY in {', '.join(GOODPUT_KEYS)} and VALUE "
+                             f"in ms, e.g. 'ttft:500 tpot:50'; got {item!r}.")
+        try:
+            slos[key] = float(value)
+        except ValueError as e:
+            raise ValueError(f"--goodput value for {key} must be a number of ms, got {value!r}.") from e
+        if slos[key] < 0:
+            raise ValueError(f"--goodput value for {key} must be >= 0 ms, got {value!r}.")
+    return slos
+
+
+def _stats(values_s: list[float], percentiles: list[float]) -> MetricStats:
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    if ms.size == 0:  # no samples (e.g. every output was one token): report zeros, as vLLM
+        return MetricStats(0.0, 0.0, 0.0, [(p, 0.0) for p in percentiles])
+    return MetricStats(float(ms.mean()), float(np.median(ms)), float(ms.std()),
+                       [(p, float(np.percentile(ms, p))) for p in percentiles])
+
+
+def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOutput], duration_s: float,
+                      tokenizer: Any | None, percentiles: list[float],
+                      goodput_slos: dict[str, float] | None = None) -> BenchmarkMetrics:
+    """Aggregate per-request outputs into `BenchmarkMetrics`.
+
+    Token counts: input = the dataset's tokenizer count when a tokenizer is
+    given, else the server's `usage.prompt_tokens` (falling back to the
+    dataset's word estimate); output = the server's `usage.completion_tokens`,
+    else the tokenizer count of the generated text, else the number of
+    content chunks.
+
+    Args:
+        requests / outputs: parallel lists, one entry per request.
+        duration_s: wall time of the whole benchmark, > 0.
+    """
+    assert len(requests) == len(outputs)
+    input_lens, output_lens = [0] * len(outputs), [0] * len(outputs)
+    ttfts, tpots, all_tpots, itls, e2els = [], [], [], [], []
+    for i, (req, out) in enumerate(zip(requests, outputs)):
+        if not out.success:
+            continue
+        if tokenizer is not None:
+            input_lens[i] = req.prompt_len
+        else:
+            input_lens[i] = out.prompt_tokens or req.prompt_len
+        n_out = out.output_tokens
+        if not n_out:
+            n_out = (len(tokenizer.encode(out.generated_text, add_special_tokens=False))
+                     if tokenizer is not None else out.num_chunks)
+        output_lens[i] = n_out
+        tpot = (out.latency - out.ttft) / (n_out - 1) if n_out > 1 else 0.0
+        if n_out > 1:
+            tpots.append(tpot)
+        all_tpots.append(tpot)
+        ttfts.append(out.ttft)
+        itls.extend(out.itl)
+        e2els.append(out.latency)
+    completed = len(ttfts)
+    total_input, total_output = sum(input_lens), sum(output_lens)
+    goodput = None
+    if goodput_slos:
+        measured = {"ttft": ttfts, "tpot": all_tpots, "e2el": e2els}
+        good = np.ones(completed, dtype=bool)
+        for key, slo_ms in goodput_slos.items():
+            good &= np.asarray(measured[key], dtype=np.float64) * 1000.0 <= slo_ms
+        goodput = int(good.sum()) / duration_s
+    samples = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    return BenchmarkMetrics(
+        completed=completed,
+        failed=len(outputs) - completed,
+        total_input=total_input,
+        total_output=total_output,
+        request_throughput=completed / duration_s,
+        request_goodput=goodput,
+        output_throughput=total_output / duration_s,
+        total_token_throughput=(total_input + total_output) / duration_s,
+        stats={k: _stats(v, percentiles) for k, v in samples.items()},
+        input_lens=input_lens,
+        output_lens=output_lens,
+    )
+
+
+def metrics_to_dict(m: BenchmarkMetrics, selected: list[str]) -> dict[str, Any]:
+    """vLLM's result keys: completed, ..., mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ..."""
+    d: dict[str, Any] = {
+        "completed": m.completed,
+        "failed": m.failed,
+        "total_input_tokens": m.total_input,
+        "total_output_tokens": m.total_output,
+        "request_throughput": m.request_throughput,
+        "request_goodput": m.request_goodput,
+        "output_throughput": m.output_throughput,
+        "total_token_throughput": m.total_token_throughput,
+    }
+    for key in selected:
+        s = m.stats[key]
+        d[f"mean_{key}_ms"] = s.mean
+        d[f"median_{key}_ms"] = s.median
+        d[f"std_{key}_ms"] = s.std
+        for p, v in s.percentiles:
+            d[f"p{percentile_label(p)}_{key}_ms"] = v
+    return d
+
+
+def format_summary(m: BenchmarkMetrics, duration_s: float, selected: list[str],
+                   max_concurrency: int | None) -> str:
+    """vLLM's "Serving Benchmark Result" table, as text."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+
+    def row(label: str, value: Any, fmt: str = "") -> None:
+        lines.append(f"{label:<40} {value:<10{fmt}}")
+
+    row("Successful requests:", m.completed)
+    row("Failed requests:", m.failed)
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    row("Benchmark duration (s):", duration_s, ".2f")
+    row("Total input tokens:", m.total_input)
+    row("Total generated tokens:", m.total_output)
+    row("Request throughput (req/s):", m.request_throughput, ".2f")
+    if m.request_goodput is not None:
+        row("Request goodput (req/s):", m.request_goodput, ".2f")
+    row("Output token throughput (tok/s):", m.output_throughput, ".2f")
+    row("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")
+    for key in selected:
+        s, name = m.stats[key], METRIC_NAMES[key]
+        lines.append("{s:{c}^{n}}".format(s=METRIC_HEADERS[key], n=50, c="-"))
+        row(f"Mean {name} (ms):", s.mean, ".2f")
+        row(f"Median {name} (ms):", s.median, ".2f")
+        for p, v in s.percentiles:
+            row(f"P{percentile_label(p)} {name} (ms):", v, ".2f")
+    lines.append("=" * 50)
+    return "\n".join(lines)
