@@ -1,0 +1,265 @@
+"""AsyncLLM: the server's engine handle (asyncio), with the engine core in another process.
+
+    HTTP handler --generate()--> AsyncLLM (this process)          core process
+                                 tokenize + InputProcessor  --ADD-->  EngineCore.step()
+    async iterator <-- queue <-- OutputProcessor (detokenize,  <--OUTPUTS--
+                                 stop strings, logprobs)       --ABORT--> (stop strings,
+                                                                          disconnects)
+
+Tokenizing and detokenizing stay here so the core's loop only schedules and
+runs the model. Each request has an `asyncio.Queue` of `RequestOutput`s
+filled by the client's reader task; `generate()` drains it. Cancelling the
+consumer (a client disconnect) aborts the request in the core, which frees
+its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenmill.engine.input_processor import get_prompt_text
+from tokenmill.engine.parallel_sampling import make_child_requests
+from tokenmill.engine.serial import MessageKind
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import EngineCoreOutputs, RequestStatus, SchedulerStats
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Asynchronous generation over an engine core in a separate process.
+
+    Build with `await AsyncLLM.from_engine_args(engine_args)` (or
+    `AsyncLLM(engine_config)` then `await start()`).
+
+    Attributes:
+        engine_config: the resolved `EngineConfig`.
+        model_config: `engine_config.model_config`.
+        tokenizer: the transformers tokenizer, or None (skip_tokenizer_init).
+        scheduler_stats: the latest `SchedulerStats` the core sent (None
+            before the first step).
+    """
+
+    def __init__(self, engine_config: Any, client: EngineCoreClient | None = None) -> None:
+        import torch
+
+        from tokenmill.engine.input_processor import InputProcessor, get_default_sampling_kwargs
+        from tokenmill.engine.output_processor import OutputProcessor
+        from tokenmill.engine.tokenizer import get_tokenizer
+
+        # The core process does the math; the front end only needs one thread
+        # so it does not compete with the core for the CPUs.
+        torch.set_num_threads(1)
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.tokenizer = get_tokenizer(self.model_config)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # The model's generation_config.json sampling defaults, for fields a
+        # client leaves out ({} with --generation-config vllm).
+        self.default_sampling_kwargs: dict[str, Any] = get_default_sampling_kwargs(self.model_config)
+        self.client = client if client is not None else EngineCoreClient(engine_config)
+        self.scheduler_stats: SchedulerStats | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+
+    @classmethod
+    async def from_engine_args(cls, engine_args: Any, usage: str = "server") -> AsyncLLM:
+        """Resolve `engine_args`, spawn the core and wait until it is ready.
+
+        Raises:
+            ValueError: an argument is invalid (from config resolution).
+            EngineStartupError: the core could not start (its reason as text).
+        """
+        engine_config = engine_args.create_engine_config(usage)
+        llm = cls(engine_config)
+        await llm.start()
+        return llm
+
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Spawn the core process, wait for READY, start reading outputs.
+
+        Raises:
+            EngineStartupError: see `EngineCoreClient.start`.
+        """
+        info = await self.client.start(timeout_s)
+        logger.info("engine core ready: %s", info)
+        self.client.start_reader(self._on_message)
+
+    @property
+    def is_running(self) -> bool:
+        return self.client.is_alive
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model_config.max_model_len)
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the core process is gone."""
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "The engine core process is not running.")
+
+    def get_scheduler_stats(self) -> SchedulerStats | None:
+        """The most recent `SchedulerStats` from the core (None before any step)."""
+        return self.scheduler_stats
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Render chat messages with the model's template and tokenize them.
+
+        Returns:
+            Prompt token ids (the template wrote any BOS; none is added).
+
+        Raises:
+            ValueError: no template, or the template rejects the messages.
+        """
+        from tokenmill.engine.tokenizer import apply_chat_template
+
+        template = chat_template if chat_template is not None else self.model_config.chat_template
+        text = apply_chat_template(self.tokenizer, messages, chat_template=template,
+                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                    sampling_params: SamplingParams, priority: int = 0,
+                    stream: OutputStream | None = None) -> OutputStream:
+        """Validate and submit one request; its outputs go to `stream` (a new one if None).
+
+        Several requests may share a stream (n > 1 fan-out, batched prompts):
+        iterating it yields their `RequestOutput`s interleaved, in arrival order.
+
+        Raises:
+            ValueError: the request is invalid (too long, bad parameters,
+                duplicate id); nothing was queued.
+            EngineDeadError: the core process died.
+        """
+        if not self.client.is_alive:
+            raise EngineDeadError(self.client.dead_reason or "The engine core process is not running.")
+        if request_id in self._queues:
+            raise ValueError(f"Request id {request_id!r} is already running; request ids must be unique.")
+        request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority)
+        if stream is None:
+            stream = OutputStream(self)
+        # n > 1 runs as n core requests; the OutputProcessor gathers them
+        # back under request_id.
+        parent, children = make_child_requests(request)
+        prompt_text = get_prompt_text(prompt)
+        for index, child in enumerate(children):
+            self.output_processor.add_request(child, prompt_text, parent, index)
+        self._queues[request_id] = stream.queue
+        stream.unfinished.add(request_id)
+        try:
+            for child in children:
+                self.client.add_request(child)
+        except BaseException:
+            stream.unfinished.discard(request_id)
+            self.abort_requests([request_id])
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its `RequestOutput`s until it finishes.
+
+        Args:
+            prompt: text, token ids, or a dict the `InputProcessor` accepts.
+            sampling_params: its `output_kind` decides cumulative / delta /
+                final-only outputs.
+            request_id: unique among running requests.
+            priority: smaller runs first under the priority policy.
+
+        Raises:
+            ValueError: the request is invalid; see `add_request`.
+            EngineDeadError: the core process died.
+        """
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            # Normal end, exception, or cancellation/aclose (client disconnect):
+            # an unfinished request must leave the core so its blocks are freed.
+            stream.close()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort running requests (unknown ids are ignored); frees their blocks in the core."""
+        ids = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
+        if ids:
+            self.client.abort_requests(self.output_processor.abort_requests(ids))
+
+    def _on_message(self, kind: bytes, obj: Any) -> None:
+        """Reader-task callback: route one core message (see `serial.MessageKind`)."""
+        if kind == MessageKind.OUTPUTS:
+            self._on_outputs(obj)
+        elif kind == MessageKind.REQUEST_ERROR:
+            core_id, message = obj
+            state = self.output_processor.request_states.get(core_id)
+            user_id = state.parent.request_id if state is not None and state.parent is not None else core_id
+            queue = self._queues.get(user_id)
+            self.abort_requests([user_id])  # its other children too
+            if queue is not None:
+                queue.put_nowait(ValueError(message))
+        elif kind == MessageKind.FATAL:
+            # Shared queues appear once per request; one error each is enough.
+            queues = {id(q): q for q in self._queues.values()}
+            self._queues.clear()
+            for queue in queues.values():
+                queue.put_nowait(EngineDeadError(f"The engine core died: {obj}"))
+        else:
+            logger.warning("front end ignores engine-core message %r", kind)
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
+        if not outputs.outputs:
+            return
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs)
+        for out in request_outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        if reqs_to_abort:
+            # Stop strings finished these in the front end; free them in the core.
+            self.client.abort_requests(list(reqs_to_abort), RequestStatus.FINISHED_STOPPED)
+
+    def shutdown(self) -> None:
+        """Stop the core process (idempotent)."""
+        self.client.shutdown()
+
+
+class OutputStream:
+    """The outputs of one or more requests, as an async iterator of `RequestOutput`.
+
+    Iteration ends when every request in it has finished. `close()` aborts
+    the unfinished ones (call it in a `finally`). An error for any request
+    (`ValueError` from the core, `EngineDeadError`) is raised from `__anext__`.
+    """
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.unfinished: set[str] = set()
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+            self._llm._queues.pop(item.request_id, None)
+        return item
+
+    def close(self) -> None:
+        """Abort every request of this stream that has not finished (idempotent)."""
+        if self.unfinished:
+            self._llm.abort_requests(sorted(self.unfinished))
+            self.unfinished.clear()

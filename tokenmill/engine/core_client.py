@@ -1,0 +1,199 @@
+"""The front end's handle on the engine-core process: spawn, handshake, send, read.
+
+`EngineCoreClient` owns the process and the two zmq sockets (see
+`core_proc.py` for the picture). It knows nothing about requests' text:
+`AsyncLLM` gives it a `handler(kind, payload_obj)` and the client's reader
+task calls it for every message from the core, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.engine.core_proc import core_num_threads, run_engine_core
+from tokenmill.engine.serial import MessageKind, decode_obj, decode_outputs, encode_obj, encode_request
+from tokenmill.request import EngineCoreRequest, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 500  # reader wake-up period for checking that the core is alive
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; `str()` is the reason for the user."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process has died; no request can be served."""
+
+
+Handler = Callable[[bytes, Any], None]
+
+
+class EngineCoreClient:
+    """Spawns `run_engine_core` and talks to it over ipc:// sockets.
+
+    Use: `client = EngineCoreClient(engine_config)`, `await client.start()`
+    (raises `EngineStartupError`), `client.start_reader(handler)`,
+    `client.add_request(req)`, `client.abort_requests(ids)`, `client.shutdown()`.
+    """
+
+    def __init__(self, engine_config: Any, num_threads: int | None = None) -> None:
+        self.engine_config = engine_config
+        self.num_threads = num_threads if num_threads is not None else core_num_threads()
+        self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
+        self.input_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        self.output_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)  # to the core's input
+        self._out = self._ctx.socket(zmq.PULL)  # from the core's output
+        for sock in (self._in, self._out):
+            sock.setsockopt(zmq.LINGER, 0)
+            # Unlimited queues: a send must never block or drop while the core
+            # is inside a long step.
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._in.bind(self.input_addr)
+        self._out.bind(self.output_addr)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task | None = None
+        self.ready_info: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the core process runs and has not reported a fatal error."""
+        return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
+
+    async def start(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Spawn the core and wait for READY.
+
+        Args:
+            timeout_s: give up after this many seconds (None: wait as long as
+                the process lives; loading a model can take minutes).
+
+        Returns:
+            The READY facts (num_gpu_blocks, block_size, max_model_len, pid, ...).
+
+        Raises:
+            EngineStartupError: the core sent STARTUP_ERROR (its text, e.g. a
+                config `ValueError`), died, or timed out.
+        """
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.engine_config, self.input_addr, self.output_addr, self.num_threads),
+            name="tokenmill-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if await self._out.poll(_POLL_MS):
+                kind, payload = await self._out.recv_multipart()
+                if kind == MessageKind.READY:
+                    self.ready_info = decode_obj(payload)
+                    return self.ready_info
+                text = decode_obj(payload) if kind in (MessageKind.STARTUP_ERROR, MessageKind.FATAL) else repr(kind)
+                self.shutdown()
+                raise EngineStartupError(str(text))
+            if not self._proc.is_alive():
+                code = self._proc.exitcode
+                self.shutdown()
+                raise EngineStartupError(f"The engine core process exited during start-up (exit code {code}); see the log above.")
+            if deadline is not None and time.monotonic() > deadline:
+                self.shutdown()
+                raise EngineStartupError(f"The engine core did not become ready within {timeout_s:.0f} s.")
+
+    def start_reader(self, handler: Handler) -> None:
+        """Start the task that feeds every core message to `handler(kind, obj)`.
+
+        `obj` is an `EngineCoreOutputs` for OUTPUTS, `[request_id, message]`
+        for REQUEST_ERROR, and the reason text for FATAL (also sent when the
+        process vanishes without a word). Must run inside the event loop.
+        """
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(handler), name="tokenmill-core-reader")
+
+    async def _read_loop(self, handler: Handler) -> None:
+        while True:
+            if not await self._out.poll(_POLL_MS):
+                if self._proc is not None and not self._proc.is_alive():
+                    self._mark_dead(handler, f"The engine core process exited (exit code {self._proc.exitcode}).")
+                    return
+                continue
+            kind, payload = await self._out.recv_multipart()
+            if kind == MessageKind.OUTPUTS:
+                obj: Any = decode_outputs(payload)
+            else:
+                obj = decode_obj(payload)
+            if kind == MessageKind.FATAL:
+                self._mark_dead(handler, str(obj))
+                return
+            try:
+                handler(kind, obj)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                logger.exception("error while handling an engine-core message")
+
+    def _mark_dead(self, handler: Handler, reason: str) -> None:
+        logger.error("engine core is dead: %s", reason)
+        self.dead_reason = reason
+        handler(MessageKind.FATAL, reason)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request for the core (non-blocking).
+
+        Raises:
+            EngineDeadError: the core is not running.
+        """
+        self._check_alive()
+        self._in.send_multipart([MessageKind.ADD, encode_request(request)])
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Tell the core to finish these requests and free their blocks (no-op if dead).
+
+        Args:
+            status: FINISHED_ABORTED (client gone) or FINISHED_STOPPED (a stop
+                string matched in the front end).
+        """
+        if request_ids and self.is_alive:
+            self._in.send_multipart([MessageKind.ABORT, encode_obj([list(request_ids), int(status)])])
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "The engine core process is not running.")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the reader, ask the core to exit, then make sure it does."""
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            # Best effort: outside a running loop the async socket may refuse;
+            # terminate() below covers that.
+            with contextlib.suppress(Exception):
+                self._in.send_multipart([MessageKind.SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if not self._ctx.closed:
+            self._in.close(linger=0)
+            self._out.close(linger=0)
+            self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

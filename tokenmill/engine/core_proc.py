@@ -1,0 +1,174 @@
+"""The engine core in its own process: a busy loop behind two zmq sockets.
+
+    front end (AsyncLLM)                      core process (this module)
+    PUSH  --- ADD / ABORT / SHUTDOWN --->     PULL   input_addr
+    PULL  <--- READY / OUTPUTS / errors ---   PUSH   output_addr
+
+The front end binds both sockets (ipc:// paths in a private temp dir) and
+spawns this process, which connects. Start-up: build `EngineCore` (load the
+model, size the KV cache); send READY with a few facts, or STARTUP_ERROR with
+the `ValueError` text (the front end prints it and exits non-zero).
+
+Loop invariant: while the scheduler has unfinished requests the loop never
+blocks (it drains the input socket without waiting, then runs one `step()`);
+when idle it blocks on the input socket for up to `_IDLE_POLL_MS` and checks
+that the front end is still alive, so an orphaned core exits by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import traceback
+from typing import Any
+
+import zmq
+
+from tokenmill.engine.serial import MessageKind, decode_obj, decode_request, encode_obj, encode_outputs
+from tokenmill.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # how long an idle core waits for input before checking its parent
+_PARENT_CHECK_STEPS = 256  # busy steps between parent-alive checks
+
+
+def core_num_threads(num_cpus: int | None = None) -> int:
+    """Torch intra-op threads for the core: all CPUs but one for the front end.
+
+    Args:
+        num_cpus: CPUs available (default: this process's affinity set).
+    """
+    if num_cpus is None:
+        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    override = os.environ.get("TOKENMILL_CORE_NUM_THREADS")
+    if override:
+        return max(1, int(override))
+    return max(1, num_cpus - 1)
+
+
+def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_threads: int) -> None:
+    """Process entry point (spawned): build the core, handshake, serve until told to stop.
+
+    Args:
+        engine_config: the resolved `EngineConfig` (pickled across the spawn).
+        input_addr / output_addr: zmq endpoints the front end bound.
+        num_threads: torch intra-op threads for this process.
+    """
+    # Ctrl-C goes to the whole process group; the front end decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [core] %(message)s")
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    for sock in (in_sock, out_sock):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    in_sock.connect(input_addr)
+    out_sock.connect(output_addr)
+    try:
+        core = _build_core(engine_config, num_threads, out_sock)
+        if core is None:
+            return
+        _busy_loop(core, in_sock, out_sock)
+    except Exception:  # noqa: BLE001 - anything here kills the engine; tell the front end why
+        text = traceback.format_exc()
+        logger.error("engine core died:\n%s", text)
+        out_sock.send_multipart([MessageKind.FATAL, encode_obj(text)])
+    finally:
+        in_sock.close(linger=0)
+        out_sock.close()
+        ctx.term()
+
+
+def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket) -> Any | None:
+    """Create `EngineCore`; on failure send STARTUP_ERROR and return None."""
+    try:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        from tokenmill.engine.core import EngineCore
+
+        core = EngineCore(engine_config)
+    except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits
+        if isinstance(exc, ValueError):
+            text = str(exc)
+        else:
+            text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        out_sock.send_multipart([MessageKind.STARTUP_ERROR, encode_obj(text)])
+        return None
+    cache = engine_config.cache_config
+    info = {
+        "pid": os.getpid(),
+        "num_gpu_blocks": int(getattr(cache, "num_gpu_blocks", 0) or 0),
+        "block_size": int(cache.block_size),
+        "max_model_len": int(engine_config.model_config.max_model_len),
+        "num_threads": num_threads,
+    }
+    out_sock.send_multipart([MessageKind.READY, encode_obj(info)])
+    return core
+
+
+def _has_work(core: Any) -> bool:
+    fn = getattr(core, "has_unfinished_requests", None)
+    if fn is None:
+        fn = core.scheduler.has_unfinished_requests
+    return bool(fn())
+
+
+def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(in_sock, zmq.POLLIN)
+    parent = multiprocessing.parent_process()
+    steps_since_check = 0
+    last_stats = None
+    while True:
+        busy = _has_work(core)
+        if not busy:
+            if not poller.poll(_IDLE_POLL_MS):
+                if parent is not None and not parent.is_alive():
+                    logger.info("front end is gone; engine core exits")
+                    return
+                continue
+        if not _drain_input(core, in_sock, out_sock):
+            return
+        if not _has_work(core):
+            continue
+        outputs = core.step()
+        # A step that scheduled nothing (all waiting for blocks) changes
+        # nothing worth sending; skip it so a stalled loop does not flood.
+        if outputs.outputs or outputs.scheduler_stats != last_stats:
+            last_stats = outputs.scheduler_stats
+            out_sock.send_multipart([MessageKind.OUTPUTS, encode_outputs(outputs)], copy=False)
+        steps_since_check += 1
+        if steps_since_check >= _PARENT_CHECK_STEPS:
+            steps_since_check = 0
+            if parent is not None and not parent.is_alive():
+                return
+
+
+def _drain_input(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> bool:
+    """Apply every pending message without blocking. Returns False on SHUTDOWN."""
+    while True:
+        try:
+            kind, payload = in_sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        if kind == MessageKind.ADD:
+            request = decode_request(payload)
+            try:
+                core.add_request(request)
+            except ValueError as exc:
+                # A request the core refuses is the client's mistake: fail that
+                # request (HTTP 400), keep serving the rest.
+                out_sock.send_multipart([MessageKind.REQUEST_ERROR, encode_obj([request.request_id, str(exc)])])
+        elif kind == MessageKind.ABORT:
+            request_ids, status = decode_obj(payload)
+            core.abort_requests(request_ids, RequestStatus(status))
+        elif kind == MessageKind.SHUTDOWN:
+            return False
+        else:
+            logger.warning("engine core ignores unknown message kind %r", kind)

@@ -1,0 +1,117 @@
+"""The `tokenmill` command: `tokenmill serve [MODEL] ...`, `tokenmill --version`, more subcommands.
+
+Adding a subcommand: list its module in `SUBCOMMAND_MODULES` under the
+command name. The module either has `register(subparsers)` (adds its parser
+and sets `func=<callable(args) -> int>` as a default) or a `main(argv) -> int`
+that parses its own arguments (`tokenmill NAME ARGS...` calls
+`main([ARGS...])`). Modules not present yet are skipped, so the list can
+name commands still being written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from tokenmill.version import get_version
+
+# command name -> (module, one-line help); see the module docstring.
+SUBCOMMAND_MODULES = {
+    "env": ("tokenmill.entrypoints.cli_env", "Show the environment: versions, devices, defaults."),
+    "bench": ("tokenmill.benchmarks.cli", "Benchmarks: serve, throughput, latency, plot."),
+}
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `serve` (the OpenAI-compatible server) with every engine flag."""
+    from tokenmill.config import EngineArgs
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server.",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health). Defaults marked 'CPU ... / GPU ...' depend on the device found.",
+    )
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="A local folder, a .gguf file, a Hugging Face repo id, or 'modelscope:<id>' "
+                             "(default: the bundled SmolLM2-135M-Instruct).")
+    parser.add_argument("--model", default=None, help="Same as the positional MODEL (vLLM spelling).")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="Address to listen on. The default only accepts local clients; use 0.0.0.0 to expose "
+                        "the server to the network (it has no authentication). Default 127.0.0.1.")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=cmd_serve)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server; returns the process exit code (1 when the engine cannot start)."""
+    from tokenmill.engine.core_client import EngineStartupError
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        print(f"Error: two different models given: {args.model_tag!r} and --model {args.model!r}.", file=sys.stderr)
+        return 2
+    args.model = args.model_tag if args.model_tag is not None else args.model
+    try:
+        return asyncio.run(run_server(args))
+    except (ValueError, EngineStartupError) as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available subcommand."""
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM inference and serving engine.")
+    parser.add_argument("--version", action="version", version=f"tokenmill {get_version()}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_serve_parser(subparsers)
+    for command, (module_name, help_text) in SUBCOMMAND_MODULES.items():
+        module = _import_subcommand(module_name)
+        if module is None:
+            continue
+        if hasattr(module, "register"):
+            module.register(subparsers)
+        else:  # parses its own argv; listed here only for --help
+            subparsers.add_parser(command, help=help_text, add_help=False)
+    return parser
+
+
+def _import_subcommand(module_name: str):  # noqa: ANN202 - a module or None
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:  # the module exists but one of its imports is missing: a real bug
+            raise
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point (`tokenmill ...`). Returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMAND_MODULES:
+        module = _import_subcommand(SUBCOMMAND_MODULES[argv[0]][0])
+        if module is not None and not hasattr(module, "register"):
+            return int(module.main(argv[1:]) or 0)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

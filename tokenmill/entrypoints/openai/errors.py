@@ -1,0 +1,108 @@
+"""OpenAI-style error responses and the app's exception handlers.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`.
+Mapping (what a client did -> status):
+
+    malformed JSON, wrong field types (RequestValidationError)  -> 400
+    a value out of range, prompt too long (ValueError)          -> 400
+    unknown model name (ModelNotFoundError)                     -> 404
+    engine core process dead (EngineDeadError)                  -> 503
+    anything else (a bug)                                       -> 500, logged;
+                                                                   the server keeps serving
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.engine.core_client import EngineDeadError
+from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. This server serves: {', '.join(served)}.")
+        self.model = model
+
+
+def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """The OpenAI error body as a dict.
+
+    Args:
+        message: a sentence for the user.
+        status: HTTP status; picks the default `type`.
+        err_type: OpenAI's error type (default from the status).
+        param: the request field at fault, if known.
+        code: a short machine-readable code (default: the status).
+    """
+    if err_type is None:
+        err_type = {400: "invalid_request_error", 404: "invalid_request_error",
+                    503: "service_unavailable"}.get(status, "internal_server_error")
+    info = ErrorInfo(message=message, type=err_type, param=param, code=status if code is None else code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status: int, **kwargs: Any) -> JSONResponse:
+    """A `JSONResponse` carrying `error_body(...)`."""
+    return JSONResponse(error_body(message, status, **kwargs), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence (and the field name) from pydantic's error list."""
+    errors = exc.errors()
+    if not errors:
+        return "The request body is invalid.", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"The request body is not valid JSON: {first.get('msg', '')}.", None
+    msg = first.get("msg", "invalid value")
+    where = f" in `{param}`" if param else ""
+    extra = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"Invalid request{where}: {msg}{extra}.", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers above on `app`."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, HTTPStatus.BAD_REQUEST, param=param)
+
+    @app.exception_handler(ValueError)
+    async def _on_value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc) or "Invalid request.", HTTPStatus.BAD_REQUEST)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(str(exc), HTTPStatus.NOT_FOUND, param="model", code="model_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(message, status, err_type="invalid_request_error" if status < 500 else None)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving %s %s", request.method, request.url.path)
+        return error_response(f"Internal server error: {type(exc).__name__}: {exc}",
+                              HTTPStatus.INTERNAL_SERVER_ERROR)

@@ -1,0 +1,363 @@
+"""OpenAI API request/response models (pydantic), with vLLM's extra sampling fields.
+
+Field names and meanings follow OpenAI's Completions and Chat Completions
+API references, plus vLLM's extensions (top_k, min_p, repetition_penalty,
+min_tokens, stop_token_ids, ignore_eos, include_stop_str_in_output,
+skip_special_tokens, ...). Pydantic checks types and the cheap bounds; the
+value ranges are checked once, by `SamplingParams` (a `ValueError`, HTTP 400).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+# Seeds are 64-bit (signed or unsigned) values, as vLLM accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# More completions per request than this is a mistake, not a workload.
+MAX_N = 128
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style id such as `chatcmpl-<32 hex>`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- models
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = float(bias)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key!r}.") from None
+        return out
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
+                         defaults: dict[str, Any] | None) -> SamplingParams:
+        """Build `SamplingParams`; the shared part of both endpoints.
+
+        Args:
+            max_tokens: the endpoint's max-tokens field (None if omitted).
+            logprobs: top logprobs per token (None: none).
+            default_max_tokens: the endpoint's default when neither the client
+                nor the generation config gives one.
+            defaults: the model's generation-config sampling defaults
+                (`get_default_sampling_kwargs`), used for omitted fields.
+
+        Raises:
+            ValueError: a value is out of range (from `SamplingParams`).
+        """
+        d = dict(defaults or {})
+        d.setdefault("max_tokens", default_max_tokens)
+
+        def pick(name: str, value: Any, neutral: Any) -> Any:
+            return value if value is not None else d.get(name, neutral)
+
+        # Children of an n > 1 request use seed + i; folding into [0, 2^63)
+        # keeps every child seed a valid 64-bit generator seed.
+        seed = None if self.seed is None else self.seed % 2**63
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
+            temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0),
+            top_k=pick("top_k", self.top_k, 0),
+            min_p=pick("min_p", self.min_p, 0.0),
+            seed=seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=pick("max_tokens", max_tokens, None),
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            # Streams need every step's state; the server computes deltas
+            # itself from cumulative outputs. Non-streaming wants one output.
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions body."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids).
+
+        Raises:
+            ValueError: empty prompt list, or an empty prompt.
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif not p:
+            raise ValueError("prompt must not be empty.")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        for x in prompts:
+            if len(x) == 0:
+                raise ValueError("prompt must not be empty.")
+        return prompts
+
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request (OpenAI's default max_tokens for completions is 16).
+
+        Args:
+            defaults: generation-config sampling defaults for omitted fields.
+
+        Raises:
+            ValueError: a value is out of range, or an unsupported option is set.
+        """
+        if self.suffix:
+            raise ValueError("suffix is not supported.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported; leave it unset or equal to n.")
+        return self._sampling_params(self.max_tokens, self.logprobs, 16, defaults)
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions body."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages as template input: text parts of list content joined.
+
+        Raises:
+            ValueError: no messages, or a non-text content part.
+        """
+        if not self.messages:
+            raise ValueError("messages must contain at least one message.")
+        out = []
+        for i, m in enumerate(self.messages):
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ValueError(f"messages[{i}].content: only text parts are supported, got type "
+                                         f"{part.get('type')!r}.")
+                    texts.append(part["text"])
+                d["content"] = "\n".join(texts)
+            elif m.content is None:
+                d["content"] = ""
+            out.append(d)
+        return out
+
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request (default max_tokens: the rest of the context).
+
+        Args:
+            defaults: generation-config sampling defaults for omitted fields.
+
+        Raises:
+            ValueError: a value is out of range.
+        """
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true.")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, None, defaults)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' legacy logprobs object (parallel lists)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,161 @@
+"""What both OpenAI endpoints share: model-name checks, batched prompts, SSE framing.
+
+One HTTP request becomes one engine request per prompt (the engine runs
+n > 1 as n children and gathers them), all feeding one `OutputStream`.
+Choice index of prompt `p`, sample `j`: `p * n + j`, as OpenAI numbers
+batched completions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tokenmill.entrypoints.openai.errors import ModelNotFoundError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    """The part of `AsyncLLM` the HTTP layer uses (a fake implements it in tests)."""
+
+    tokenizer: Any
+    max_model_len: int
+    default_sampling_kwargs: dict[str, Any]
+
+    def add_request(self, request_id: str, prompt: Any, sampling_params: SamplingParams, priority: int = 0,
+                    stream: Any = None) -> Any: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What a stream has already sent for one choice (delta bookkeeping)."""
+
+    index: int
+    prompt_index: int
+    num_text_chars: int = 0  # chars of `text` already sent
+    num_tokens: int = 0  # tokens of `token_ids` already sent
+    num_logprobs: int = 0  # logprob positions already sent
+    finished: bool = False
+    last: CompletionOutput | None = None
+
+
+@dataclass(slots=True)
+class Submission:
+    """The engine requests behind one HTTP request."""
+
+    stream: Any  # OutputStream
+    n: int
+    # engine request id -> prompt index
+    prompt_index: dict[str, int] = field(default_factory=dict)
+    # choice index -> its state
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    # prompt index -> number of prompt tokens
+    prompt_lens: dict[int, int] = field(default_factory=dict)
+    # prompt index -> prompt text (for echo), when known
+    prompt_texts: dict[int, str | None] = field(default_factory=dict)
+
+    def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
+        """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
+        p_idx = self.prompt_index[out.request_id]
+        self.prompt_lens[p_idx] = len(out.prompt_token_ids)
+        if out.prompt is not None:
+            self.prompt_texts[p_idx] = out.prompt
+        pairs = []
+        for comp in out.outputs:
+            choice = self.choices[p_idx * self.n + comp.index]
+            choice.last = comp
+            pairs.append((choice, comp))
+        return pairs
+
+    def ordered_choices(self) -> list[ChoiceState]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_lens.values())
+
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.last.token_ids) for c in self.choices.values() if c.last is not None)
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_logprobs: int = 20) -> None:
+        if not served_model_names:
+            raise ValueError("At least one served model name is needed.")
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_logprobs = max_logprobs
+        self.default_sampling_kwargs: dict[str, Any] = dict(getattr(engine, "default_sampling_kwargs", None) or {})
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to echo in responses.
+
+        Raises:
+            ModelNotFoundError: `model` is set and not one of ours.
+        """
+        if model is None or model == "":
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise ModelNotFoundError(model, self.served_model_names)
+        return model
+
+    def check_logprobs(self, logprobs: int | None) -> None:
+        """Raises ValueError when more top logprobs are asked than --max-logprobs allows."""
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise ValueError(f"At most {self.max_logprobs} logprobs per token may be requested, got {logprobs} "
+                             "(the server's --max-logprobs).")
+
+    def submit(self, request_id: str, prompts: list[Any], params: SamplingParams, priority: int = 0) -> Submission:
+        """Queue every (prompt, sample) pair as its own engine request.
+
+        Raises:
+            ValueError: any one is invalid; the ones already queued are aborted.
+        """
+        n = params.n
+        sub: Submission | None = None
+        stream = None
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{p_idx}"
+                stream = self.engine.add_request(engine_id, prompt, params, priority, stream)
+                if sub is None:
+                    sub = Submission(stream=stream, n=n)
+                sub.prompt_index[engine_id] = p_idx
+                for j in range(n):
+                    sub.choices[p_idx * n + j] = ChoiceState(index=p_idx * n + j, prompt_index=p_idx)
+        except BaseException:
+            if stream is not None:
+                stream.close()
+            raise
+        assert sub is not None
+        return sub
+
+
+def sse(data: Any) -> str:
+    """One server-sent event: `data: <json>\\n\\n` (a pydantic model or a dict)."""
+    if hasattr(data, "model_dump_json"):
+        return f"data: {data.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(data)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def finish_reason_text(reason: Any) -> str | None:
+    """OpenAI's spelling of a finish reason ("stop", "length", "abort") or None."""
+    return None if reason is None else str(reason)
+
+
+def token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
+    """The text shown for one token in logprobs (the engine's, else decoded here)."""
+    if decoded is not None:
+        return decoded
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
