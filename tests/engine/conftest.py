@@ -24,14 +24,20 @@ def smollm2_gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    """SmolLM2's tokenizer from the GGUF (converted once, then from ~/.cache/tokenmill)."""
-    from tokenmill.engine.tokenizer import load_tokenizer
-
+def smollm2_gguf() -> str:
+    """Path of the bundled SmolLM2 GGUF (skips when it is not installed)."""
     path = smollm2_gguf_path()
     if not os.path.exists(path):
         pytest.skip("bundled SmolLM2 GGUF not installed")
-    return load_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_gguf):
+    """SmolLM2's tokenizer from the GGUF (converted once, then from ~/.cache/tokenmill)."""
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf)
 
 
 def _make_model_config(max_model_len: int = 64, vocab_size: int = 49152, generation_config: dict | None = None,

@@ -136,7 +136,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
         elif len(sampling_params) != n:
-            raise ValueError(f"Got {len(sampling_params)} sampling params for {n} prompts; give one, or one per prompt.")
+            raise ValueError(f"Got {len(sampling_params)} sampling params for {n} prompts; "
+                             "give one, or one per prompt.")
         out = []
         for p in sampling_params:
             if p is None:
