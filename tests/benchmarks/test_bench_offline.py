@@ -26,8 +26,9 @@ class FakeLLM:
     def get_tokenizer(self):
         return _Tok()
 
-    def generate(self, prompts, sampling_params):
+    def generate(self, prompts, sampling_params, use_tqdm=True):
         self.calls.append((prompts, sampling_params))
+        self.use_tqdm = use_tqdm
         time.sleep(self.delay_s)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
@@ -74,7 +75,7 @@ def test_latency(fake_llm, tmp_path, capsys):
                "--num-iters", "4", "--output-json", str(out)])
     assert rc == 0
     llm = fake_llm.instances[0]
-    assert len(llm.calls) == 6  # warmup + timed
+    assert len(llm.calls) == 6 and not llm.use_tqdm  # warmup + timed, no progress bars
     prompts, params = llm.calls[-1]
     assert len(prompts) == 3 and params.max_tokens == 2 and params.ignore_eos
     r = json.loads(out.read_text())

@@ -110,8 +110,9 @@ class PromptMaker:
         """Return `prefix + body` of about `count(prefix) + body_len` tokens, and its length.
 
         Decoding random ids and re-encoding the text can merge or split
-        tokens; one truncation pass brings the length back to the target
-        when the text came out too long.
+        tokens, so a few passes truncate (too long) or append random text
+        (too short) until the re-encoded length hits the target; the length
+        returned is always the real count.
         """
         body = self.text(body_len)
         prompt = f"{prefix} {body}" if prefix and body else prefix + body
@@ -119,8 +120,13 @@ class PromptMaker:
             return prompt, self.count(prompt)
         target = self.count(prefix) + body_len
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        if len(ids) > target:
-            prompt = self.tokenizer.decode(ids[:target])
+        for _ in range(4):
+            if len(ids) > target:
+                prompt = self.tokenizer.decode(ids[:target])
+            elif len(ids) < target:
+                prompt = prompt + self.text(target - len(ids))
+            else:
+                break
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return prompt, len(ids)
 
@@ -142,7 +148,7 @@ def sample_random(maker: PromptMaker, num_prompts: int, input_len: int, output_l
     out_lo, out_hi = length_bounds(output_len, range_ratio)
     in_lens = maker.rng.integers(in_lo, in_hi + 1, size=num_prompts)
     out_lens = np.maximum(maker.rng.integers(out_lo, out_hi + 1, size=num_prompts), 1)
-    prefix = maker.text(prefix_len)
+    prefix = maker.fit("", prefix_len)[0]
     requests = []
     for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist()):
         prompt, prompt_len = maker.fit(prefix, n_in)
@@ -169,7 +175,7 @@ def sample_prefix_repetition(maker: PromptMaker, num_prompts: int, prefix_len: i
     per_prefix = num_prompts // num_prefixes
     requests = []
     for _ in range(num_prefixes):
-        prefix = maker.text(prefix_len)
+        prefix = maker.fit("", prefix_len)[0]
         for _ in range(per_prefix):
             prompt, prompt_len = maker.fit(prefix, suffix_len)
             requests.append(SampleRequest(prompt, prompt_len, output_len))

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     def run_once() -> float:
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
     for _ in range(args.num_iters_warmup):

@@ -41,6 +41,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--random-prefix-len", type=int, default=0)
     g.add_argument("--disable-detokenize", action="store_true", help="Skip detokenization (token ids only).")
     g.add_argument("--output-json", default=None, help="Write the numbers to this JSON file.")
+    g.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     add_engine_cli_args(parser)
     return parser
 
@@ -105,7 +106,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": prefix + sample(n)} for n in in_lens]
     params = [sampling_params(args.n, n, not args.disable_detokenize) for n in out_lens]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     n_prompt, n_output = count_tokens(outputs, prompts, out_lens, args.n)
     result = {
