@@ -52,7 +52,7 @@ def test_every_smollm2_tensor_matches_transformers(smollm2_gguf, hf_smollm2):
         assert name in ref, name
         assert tensor.dtype == torch.float32
         assert tensor.shape == ref[name].shape, name
-        torch.testing.assert_close(tensor, ref[name], rtol=0, atol=1e-6, msg=name)
+        assert (tensor - ref[name]).abs().max().item() <= 1e-6, name
         seen.add(name)
     # 30 layers x 9 tensors + embedding + final norm; lm_head is tied (not in the file).
     assert len(seen) == 30 * 9 + 2
