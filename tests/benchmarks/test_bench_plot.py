@@ -20,7 +20,7 @@ def _result(path, label: str | None, conc: int | None, tput: float, **extra) -> 
 
 
 def test_plot_writes_png(tmp_path):
-    files = [_result(tmp_path / f"a{c}.json", "tokenmill", c, 100.0 * c) for c in (1, 4, 2)]
+    files = [_result(tmp_path / f"a{c}.json", "tokenmill", c, 100.0 * c) for c in (1, 4, 2, 16)]
     files.append(_result(tmp_path / "b1.json", "vllm", 1, 90.0))
     out = tmp_path / "plots" / "p.png"
     assert main(["plot", *files, "--output", str(out)]) == 0

@@ -89,7 +89,10 @@ def plot_results(results: list[tuple[str, dict[str, Any]]], output: str, title: 
     if drawn == 0:
         plt.close(fig)
         raise ValueError("No result has output_throughput, median_ttft_ms or median_tpot_ms to plot.")
+    xs = [x for points in series(results).values() for x, _ in points]
     for ax, (_, ylabel) in zip(axes, PANELS):
+        if min(xs) > 0 and max(xs) / min(xs) >= 8:  # sweeps are usually 1, 2, 4, ...: even spacing
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

@@ -197,7 +197,7 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
                 out.latency = time.perf_counter() - start
                 if not out.error and out.num_chunks == 0:
                     out.error = "the stream ended without any generated text"
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError covers bad JSON / UTF-8
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError covers bad JSON / UTF-8
         out.error = f"{type(e).__name__}: {e}"
     out.success = not out.error
     if pbar is not None:
@@ -217,7 +217,7 @@ async def fetch_first_model(models_url: str) -> str:
         async with aiohttp.ClientSession() as session, session.get(models_url) as resp:
             data = await resp.json(content_type=None)
         return data["data"][0]["id"]
-    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ValueError(f"Cannot read a model name from {models_url} ({type(e).__name__}: {e}); "
                          "pass --model.") from e
 
