@@ -54,16 +54,9 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) ->
 
 
 def _executor_class(engine_config: Any) -> type:
-    if engine_config.parallel_config.world_size == 1:
-        from tokenmill.executor.uniproc import UniProcExecutor
+    from tokenmill.executor import get_executor_class
 
-        return UniProcExecutor
-    try:
-        from tokenmill.executor.multiproc import MultiprocExecutor
-    except ImportError as e:
-        raise ValueError(f"tensor/pipeline parallel size {engine_config.parallel_config.world_size} needs the "
-                         "multi-process executor, which this build does not have; run with world size 1.") from e
-    return MultiprocExecutor
+    return get_executor_class(engine_config.parallel_config)
 
 
 class EngineCore:

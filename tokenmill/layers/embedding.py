@@ -41,6 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.full_shape = (num_embeddings, embedding_dim)  # what weight_loader takes
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy rows [vocab_start, vocab_end) of the full `[vocab, hidden]` table; zero the padding.
@@ -78,6 +79,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
                                      requires_grad=False)
             self.bias.weight_loader = self._bias_loader
+            self.bias.full_shape = (num_embeddings,)
         else:
             self.register_parameter("bias", None)
 

@@ -14,6 +14,9 @@ The split of a transformer MLP / attention block is Column -> Row, so only
 one all-reduce per block is needed (Shoeybi et al. 2019, "Megatron-LM").
 Parameters are created with `torch.empty` under the caller's default device
 and dtype (the loader builds the model inside `with torch.device(...)`).
+Each parameter also carries `full_shape`, the shape of the unsharded tensor
+its `weight_loader(param, full)` accepts (fused layers: the parts stacked),
+so the dummy loader can draw the same full weights at any tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill.distributed.partition import divide_evenly, head_partition
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator != 0:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator}).")
-    return numerator // denominator
+    return divide_evenly(numerator, denominator, what)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -55,7 +57,8 @@ class LinearBase(nn.Module):
     """Holds `weight [output_size_per_partition, input_size_per_partition]` and optional `bias`."""
 
     def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None, full_input_size: int | None = None,
+                 full_output_size: int | None = None) -> None:
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -63,9 +66,12 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        full_out = full_output_size or output_size_per_partition
+        self.weight.full_shape = (full_out, full_input_size or input_size_per_partition)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size_per_partition, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.full_shape = (full_out,)
         else:
             self.register_parameter("bias", None)
 
@@ -97,9 +103,11 @@ class ColumnParallelLinear(LinearBase):
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
-        super().__init__(input_size, _divide(output_size, tp, "output size"), bias, params_dtype)
+        super().__init__(input_size, _divide(output_size, tp, "output size"), bias, params_dtype,
+                         full_output_size=output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's rows [tp_rank * shard, (tp_rank + 1) * shard) of the full `[out, in]` (or `[out]`) tensor."""
         shard = param.shape[0]
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
@@ -141,69 +149,92 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projections with attention heads split across ranks.
+    """Fused q, k, v projections with attention heads split across ranks by KV-head groups.
 
     Output per rank: `[q (num_heads * head_size) | k (num_kv_heads * head_size) |
-    v (num_kv_heads * head_size)]`. When tp > total_num_kv_heads the kv heads
-    are replicated: rank r holds kv head `r // (tp / total_num_kv_heads)`.
-    `weight_loader(param, loaded_weight, shard_id)` takes shard_id "q", "k" or "v".
+    v (num_kv_heads * head_size)]`, where this rank's heads come from
+    `tokenmill.distributed.partition.head_partition`: whole KV-head groups,
+    possibly uneven (9 heads / 3 KV heads over 2 ranks: 6 + 3 query heads),
+    or one replicated KV head per rank when tp > total_num_kv_heads.
+    `weight_loader(param, loaded_weight, shard_id)` takes shard_id "q", "k"
+    or "v" with that full checkpoint tensor, or None with the full fused
+    `[q; k; v]` tensor (as the dummy loader builds it).
+
+    Raises:
+        ValueError: the heads cannot be split over the ranks (names sizes that work).
     """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
                  bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
         tp = get_tensor_model_parallel_world_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
+        part = head_partition(total_num_heads, total_num_kv_heads, tp, get_tensor_model_parallel_rank())
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
-        if tp >= total_num_kv_heads:
-            _divide(tp, total_num_kv_heads, "tensor_parallel_size over kv heads")
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = tp // total_num_kv_heads
-        else:
-            self.num_kv_heads = _divide(total_num_kv_heads, tp, "number of kv heads")
-            self.num_kv_head_replicas = 1
+        self.partition = part
+        self.num_heads = part.num_heads
+        self.num_kv_heads = part.num_kv_heads
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
-        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp * head_size
-        super().__init__(hidden_size, output_size, bias, False, params_dtype)
+        # The output dim is not an even split, so skip ColumnParallelLinear's division.
+        self.input_size = hidden_size
+        self.output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        self.gather_output = False
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, params_dtype,
+                            full_output_size=self.output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
-        if shard_id is None:
-            raise ValueError("QKVParallelLinear loads q, k and v separately; pass shard_id 'q', 'k' or 'v'.")
+        p, hs = self.partition, self.head_size
+        if shard_id is None:  # full fused [q; k; v]
+            q_full, kv_full = self.total_num_heads * hs, self.total_num_kv_heads * hs
+            q, k, v = loaded_weight.split([q_full, kv_full, kv_full], dim=0)
+            for sid, part in (("q", q), ("k", k), ("v", v)):
+                self.weight_loader(param, part, sid)
+            return
         if shard_id == "q":
-            offset, size, index = 0, self.q_size, self.tp_rank
+            offset, size, start = 0, self.q_size, p.q_start * hs
         elif shard_id == "k":
-            offset, size, index = self.q_size, self.kv_size, self.tp_rank // self.num_kv_head_replicas
+            offset, size, start = self.q_size, self.kv_size, p.kv_start * hs
         elif shard_id == "v":
-            offset, size, index = self.q_size + self.kv_size, self.kv_size, self.tp_rank // self.num_kv_head_replicas
+            offset, size, start = self.q_size + self.kv_size, self.kv_size, p.kv_start * hs
         else:
             raise ValueError(f"Unknown qkv shard_id {shard_id!r}; expected 'q', 'k' or 'v'.")
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, index * size, size))
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
     """Y = X W^T with W's input columns split across ranks; partial sums all-reduced.
 
-    forward: x [..., input_size / tp] (already split, as a column layer's
-    output) -> [..., output_size]. The bias is added once, after the reduce.
+    forward: x [..., input_size_per_partition] (already split, as a column
+    layer's output) -> [..., output_size]. The bias is added once, after the reduce.
+
+    `input_partition=(start, size)` gives an uneven split explicitly (an
+    o_proj after an uneven head split takes columns [start, start + size));
+    by default the input is split evenly, `input_size / tp` per rank.
+
+    Raises:
+        ValueError: input_size is not divisible by tp (without `input_partition`).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
-                 params_dtype: torch.dtype | None = None) -> None:
+                 params_dtype: torch.dtype | None = None, input_partition: tuple[int, int] | None = None) -> None:
         tp = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
         self.reduce_results = reduce_results
-        super().__init__(_divide(input_size, tp, "input size"), output_size, bias, params_dtype)
+        if input_partition is None:
+            shard = _divide(input_size, tp, "input size")
+            input_partition = (get_tensor_model_parallel_rank() * shard, shard)
+        self.input_start, size = input_partition
+        super().__init__(size, output_size, bias, params_dtype, full_input_size=input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy columns [input_start, input_start + shard) of the full `[out, in]` weight; the bias whole."""
         if param.dim() == 1:  # bias: not split
             _copy_checked(param, loaded_weight)
             return
-        shard = param.shape[1]
-        _copy_checked(param, loaded_weight.narrow(1, self.tp_rank * shard, shard))
+        _copy_checked(param, loaded_weight.narrow(1, self.input_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

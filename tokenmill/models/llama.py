@@ -14,14 +14,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
+from tokenmill.distributed.pp_comm import IntermediateTensors
 from tokenmill.layers.activation import get_act_and_mul_fn
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
-from tokenmill.models.utils import load_weights_with_mapping
+from tokenmill.models.utils import PPMissingLayer, load_weights_with_mapping, make_layers
 
 
 class LlamaMLP(nn.Module):
@@ -42,15 +43,17 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
         hidden_size = config.hidden_size
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_num_heads
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=bias)
-        self.num_heads = total_num_heads // tp
+        # This rank's heads may be an uneven share (whole KV-head groups); o_proj takes the matching columns.
+        self.num_heads = self.qkv_proj.num_heads
+        q_start = self.qkv_proj.partition.q_start
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=bias,
+                                        input_partition=(q_start * self.head_dim, self.num_heads * self.head_dim))
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -88,19 +91,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm. forward(input_ids [T], positions [T]) -> [T, H]."""
+    """Embedding, decoder layers and final norm. forward(input_ids [T], positions [T]) -> [T, H].
+
+    Pipeline-parallel: this stage builds layers [start_layer, end_layer) only;
+    the embedding lives on the first stage (and the last when tied to the LM
+    head), the final norm on the last. A non-first stage takes the previous
+    stage's `IntermediateTensors`; a non-last stage returns its own.
+    """
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if is_first_pp_rank() or (tied and is_last_pp_rank()):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if is_last_pp_rank() else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if is_first_pp_rank():
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a non-first pipeline stage needs the previous stage's tensors"
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not is_last_pp_rank():
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -122,16 +142,23 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj": (".gate_up_proj", 1),
     }
 
+    # forward takes `intermediate_tensors` (pipeline parallelism).
+    supports_pp = True
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if is_last_pp_rank():
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -1,12 +1,14 @@
-"""Helpers shared by model classes: checkpoint-name -> fused-parameter loading."""
+"""Helpers shared by model classes: checkpoint-name -> fused-parameter loading, pipeline-stage layers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_pp_rank, get_pp_world_size
+from tokenmill.distributed.partition import pp_layer_range
 from tokenmill.layers.linear import default_weight_loader
 
 
@@ -22,6 +24,7 @@ def load_weights_with_mapping(
     `model.layers.0.self_attn.q_proj.weight` is then loaded by
     `qkv_proj.weight.weight_loader(param, tensor, "q")`. Other names load
     with the parameter's own `weight_loader` (or a plain checked copy).
+    Tensors of modules on another pipeline stage (`PPMissingLayer`) are skipped.
 
     Returns:
         The names (as in `model.named_parameters()`) of parameters written.
@@ -30,8 +33,11 @@ def load_weights_with_mapping(
         ValueError: a checkpoint tensor matches no parameter, or its shape is wrong.
     """
     params = dict(model.named_parameters())
+    missing = _missing_prefixes(model)
     loaded: set[str] = set()
     for name, tensor in weights:
+        if missing and _remap(name, packed_modules_mapping).startswith(missing):
+            continue
         for fragment, (fused, shard_id) in packed_modules_mapping.items():
             if fragment + "." in name:
                 target = name.replace(fragment + ".", fused + ".")
@@ -46,9 +52,45 @@ def load_weights_with_mapping(
     return loaded
 
 
+def _remap(name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]) -> str:
+    for fragment, (fused, _) in packed_modules_mapping.items():
+        if fragment + "." in name:
+            return name.replace(fragment + ".", fused + ".")
+    return name
+
+
 def _lookup(params: dict[str, nn.Parameter], target: str, original: str) -> nn.Parameter:
     param = params.get(target)
     if param is None:
         raise ValueError(f"Checkpoint tensor {original!r} matches no parameter of the model "
                          f"(is the checkpoint for another architecture?).")
     return param
+
+
+# ---- pipeline parallelism ----------------------------------------------------------
+
+
+class PPMissingLayer(nn.Module):
+    """Stands in for a module that lives on another pipeline stage (no parameters).
+
+    Checkpoint tensors under it are skipped by `load_weights_with_mapping`.
+    """
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("This module lives on another pipeline stage.")
+
+
+def make_layers(num_layers: int, layer_fn: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """Decoder layers of this pipeline stage.
+
+    Returns (start, end, layers): `layers` has all `num_layers` entries so
+    checkpoint names and `layer_idx` stay global; layers outside [start, end)
+    are `PPMissingLayer`s. Stage split: `partition.pp_layer_range`.
+    """
+    start, end = pp_layer_range(num_layers, get_pp_rank(), get_pp_world_size())
+    layers = nn.ModuleList(layer_fn(i) if start <= i < end else PPMissingLayer() for i in range(num_layers))
+    return start, end, layers
+
+
+def _missing_prefixes(model: nn.Module) -> tuple[str, ...]:
+    return tuple(name + "." for name, m in model.named_modules() if isinstance(m, PPMissingLayer))

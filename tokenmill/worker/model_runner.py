@@ -16,6 +16,8 @@ import torch
 
 from tokenmill.attention.selector import get_attn_backend
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import parallel_state as ps
+from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.sample.sampler import Sampler, SamplerOutput
@@ -39,11 +41,14 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
-        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, tp_size)
+        # Heads and layers of this rank come from the initialized process groups (uneven splits included).
+        override = None if tp_size == ps.get_tensor_model_parallel_world_size() else tp_size
+        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, override)
         self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)
         self.pin_memory = device.type == "cuda"
         text_cfg = mc.hf_config.get_text_config() if hasattr(mc.hf_config, "get_text_config") else mc.hf_config
         self.vocab_size = text_cfg.vocab_size
+        self.hidden_size = text_cfg.hidden_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -100,7 +105,8 @@ class ModelRunner:
         positions = torch.arange(n, device=self.device) % self.max_model_len
         with set_forward_context(None, [], self.attn_backend):
             hidden = self._run_model(input_ids, positions)
-        self.model.compute_logits(hidden[: self.max_num_reqs])
+        if hidden is not None:  # the last pipeline stage
+            self.model.compute_logits(hidden[: self.max_num_reqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
@@ -152,8 +158,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs = None
         if inputs.sampling_metadata is not None:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            out = self.sampler(logits, inputs.sampling_metadata)
+            out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows))
             token_ids, lp_rows = _to_host(out)
             batch.append_sampled(inputs.sample_rows, np.array(token_ids, np.int64))
             sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
@@ -163,10 +168,38 @@ class ModelRunner:
                 logprobs = self._logprobs_lists(req_ids, index, sample_req_ids, lp_rows)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The forward pass; a CUDA-graph replay for padded decode sizes slots in here."""
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The forward pass; a CUDA-graph replay for padded decode sizes slots in here.
+
+        Pipeline-parallel: a non-first stage first receives the previous
+        stage's hidden states; a non-last stage sends its own on and returns None.
+        """
         assert self.model is not None
-        return self.model(input_ids, positions)
+        if ps.get_pp_world_size() == 1:
+            return self.model(input_ids, positions)
+        intermediate = None
+        if not ps.is_first_pp_rank():
+            intermediate = recv_intermediate(input_ids.shape[0], self.hidden_size, self.dtype, self.device)
+        out = self.model(input_ids, positions, intermediate)
+        if ps.is_last_pp_rank():
+            return out
+        send_intermediate(out)
+        return None
+
+    def _sample(self, hidden: torch.Tensor | None, logits_indices: torch.Tensor, metadata, num_rows: int) -> SamplerOutput:
+        """Logits and sampling on the last stage; with several ranks every rank gets the output rank's ids."""
+        assert self.model is not None
+        out = None
+        if hidden is not None:
+            out = self.sampler(self.model.compute_logits(hidden[logits_indices]), metadata)
+        if not ps.model_parallel_is_initialized():
+            assert out is not None
+            return out
+        ids = broadcast_sampled_token_ids(None if out is None else out.sampled_token_ids, num_rows, self.device)
+        if out is None or ps.get_tensor_model_parallel_rank() != 0:
+            return SamplerOutput(ids)  # only the output rank's logprobs are returned
+        out.sampled_token_ids = ids
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -1,0 +1,63 @@
+"""Entry point of one MultiprocExecutor worker process: `python -m tokenmill.executor.mp_worker FD`.
+
+Protocol over the inherited socket FD (a `multiprocessing.connection.Connection`):
+first `(engine_config, rank, local_rank, init_method)` in, `("ok", None)` out
+once the model is loaded; then `(method, args)` in, `("ok", result)` or
+`("error", (exception, traceback text))` out; `("shutdown", ())` ends it.
+Only the output rank returns `execute_model` results (the others send None).
+The process exits when the engine's end of the socket closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def _reply_error(conn: Connection, exc: BaseException) -> None:
+    tb = traceback.format_exc()
+    try:
+        conn.send(("error", (exc, tb)))
+    except Exception:  # noqa: BLE001 - the exception itself may not pickle
+        conn.send(("error", (RuntimeError(str(exc)), tb)))
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    engine_config, rank, local_rank, init_method = conn.recv()
+    logging.basicConfig(level=os.environ.get("TOKENMILL_LOGGING_LEVEL", "WARNING"),
+                        format=f"(worker rank={rank}) %(levelname)s %(name)s: %(message)s")
+    pc = engine_config.parallel_config
+    output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+    try:
+        from tokenmill.worker.worker import Worker
+
+        worker = Worker(engine_config, rank=rank, local_rank=local_rank, distributed_init_method=init_method)
+        worker.init_device()
+        worker.load_model()
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
+        _reply_error(conn, exc)
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the engine went away
+            return
+        if method == "shutdown":
+            return
+        try:
+            result = getattr(worker, method)(*args)
+        except Exception as exc:  # noqa: BLE001
+            _reply_error(conn, exc)
+            return
+        if method == "execute_model" and rank != output_rank:
+            result = None  # only the output rank's result is used; skip pickling the rest
+        conn.send(("ok", result))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
