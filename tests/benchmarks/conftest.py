@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import ClassVar
 
 import pytest
 from aiohttp import web
@@ -13,7 +14,7 @@ from aiohttp import web
 class WordTokenizer:
     """Token i is the word f"w{i}"; id 0 is a special token. encode/decode round-trip exactly."""
 
-    all_special_ids = [0]
+    all_special_ids: ClassVar[list[int]] = [0]
 
     def __init__(self, vocab_size: int = 50):
         self.vocab_size = vocab_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -15,7 +16,7 @@ from tokenmill.benchmarks.cli import main
 class FakeLLM:
     """Records its construction and calls; `generate` sleeps and returns max_tokens ids per prompt."""
 
-    instances: list[FakeLLM] = []
+    instances: ClassVar[list[FakeLLM]] = []
     delay_s = 0.02
 
     def __init__(self, **kwargs):
@@ -37,7 +38,7 @@ class FakeLLM:
 
 
 class _Tok:
-    all_special_ids = [0, 1]
+    all_special_ids: ClassVar[list[int]] = [0, 1]
 
     def __len__(self):
         return 20

@@ -32,7 +32,7 @@ import numpy as np
 
 # Common, mostly single-token English words: a prompt of n of them is close
 # to n tokens for BPE vocabularies, which keeps the no-tokenizer estimate fair.
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is was for on with as by at from his her they this that have had not are but "
     "were all one two three four five six seven eight nine ten time year people way day man woman "
     "child world life hand part place case week company system program question work government "
@@ -41,7 +41,8 @@ _WORDS = (
     "member law car city name team minute idea body information back parent face others level office "
     "door health person art war history party result change morning reason research girl guy moment "
     "air teacher force education red blue green small large old new good great high little long"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass(slots=True)
@@ -203,7 +204,7 @@ def sample_custom(maker: PromptMaker, path: str, num_prompts: int, output_len: i
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno} is not JSON: {e}.") from e
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}:{lineno} needs a string field \"prompt\".")
+            raise ValueError(f"{path}:{lineno} needs a string field \"prompt\".")  # noqa: TRY004 (user data)
         n_out = int(row.get("output_tokens") or output_len)
         if n_out < 1:
             raise ValueError(f"{path}:{lineno}: \"output_tokens\" must be >= 1, got {n_out}.")
