@@ -13,6 +13,8 @@ from tokenmill.benchmarks.metrics import (
     parse_goodput,
     parse_metric_names,
     parse_percentiles,
+    peak_concurrency,
+    peak_output_rate,
 )
 
 
@@ -109,3 +111,18 @@ def test_parse_lists():
         parse_percentiles("101")
     with pytest.raises(ValueError):
         parse_metric_names("ttft,latency")
+
+
+def test_peaks():
+    a = _out(0.1, 0.5, 5, [0.1] * 4, start_time=10.0)  # chunks at 0.1 .. 0.5 s -> 5 in the first second
+    b = _out(0.9, 1.5, 3, [0.2, 0.2], start_time=10.2)  # chunks at 1.1, 1.3, 1.5 s
+    c = _out(0.2, 1.0, 2, [0.1], start_time=10.5)  # in flight [10.5, 11.5)
+    failed = RequestFuncOutput(success=False, start_time=10.0, latency=5.0)
+    assert peak_output_rate([a, b, failed]) == 5.0
+    assert peak_output_rate([a, b], bucket_s=2.0) == 4.0  # 8 chunks over [0, 2) s
+    # a [10.0, 10.5), b [10.2, 11.7), c [10.5, 11.5): a ends as c starts -> at most 2 at once
+    assert peak_concurrency([a, b, c, failed]) == 2
+    m = calculate_metrics([SampleRequest("p", 1, 5)] * 3, [a, b, c], 2.0, None, [50])
+    d = metrics_to_dict(m, ["ttft"])
+    assert d["max_concurrent_requests"] == 2
+    assert d["max_output_tokens_per_s"] == 7.0  # c adds chunks at 0.7 and 0.8 s to the first second

@@ -45,6 +45,7 @@ class RequestFuncOutput:
     prompt_tokens: int = 0  # server usage.prompt_tokens; 0 = not reported
     output_tokens: int = 0  # server usage.completion_tokens; 0 = not reported
     error: str = ""
+    start_time: float = 0.0  # perf_counter() when the request was sent
 
 
 @dataclass(slots=True)
@@ -70,6 +71,8 @@ class BenchmarkMetrics:
     stats: dict[str, MetricStats]  # metric key (ttft, tpot, itl, e2el) -> stats
     input_lens: list[int]  # per request (0 for failed ones)
     output_lens: list[int]  # per request (0 for failed ones)
+    max_output_tokens_per_s: float = 0.0  # most content chunks in any 1 s bucket of the run
+    max_concurrent_requests: int = 0  # most requests in flight at one instant
 
 
 def percentile_label(p: float) -> str:
@@ -126,6 +129,32 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         if slos[key] < 0:
             raise ValueError(f"--goodput value for {key} must be >= 0 ms, got {value!r}.")
     return slos
+
+
+def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0) -> float:
+    """Most content chunks received in one `bucket_s` window (from the first send), per second.
+
+    Chunk times are `start_time + ttft + cumsum(itl)`; a chunk usually holds
+    one token, so this is vLLM's "peak output token throughput".
+    """
+    ok = [o for o in outputs if o.success]
+    if not ok:
+        return 0.0
+    t0 = min(o.start_time for o in ok)
+    # [ttft, gap1, gap2] -> [ttft, ttft+gap1, ttft+gap1+gap2] seconds after the request's send
+    times = np.concatenate([o.start_time - t0 + np.cumsum([o.ttft, *o.itl]) for o in ok])
+    return float(np.bincount((times // bucket_s).astype(np.int64)).max() / bucket_s)
+
+
+def peak_concurrency(outputs: list[RequestFuncOutput]) -> int:
+    """Most successful requests in flight at once ([start, start + latency) intervals)."""
+    events = sorted([(o.start_time, 1) for o in outputs if o.success]
+                    + [(o.start_time + o.latency, -1) for o in outputs if o.success])  # ends sort before starts
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
 
 
 def _stats(values_s: list[float], percentiles: list[float]) -> MetricStats:
@@ -195,6 +224,8 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOu
         stats={k: _stats(v, percentiles) for k, v in samples.items()},
         input_lens=input_lens,
         output_lens=output_lens,
+        max_output_tokens_per_s=peak_output_rate(outputs),
+        max_concurrent_requests=peak_concurrency(outputs),
     )
 
 
@@ -209,6 +240,8 @@ def metrics_to_dict(m: BenchmarkMetrics, selected: list[str]) -> dict[str, Any]:
         "request_goodput": m.request_goodput,
         "output_throughput": m.output_throughput,
         "total_token_throughput": m.total_token_throughput,
+        "max_output_tokens_per_s": m.max_output_tokens_per_s,
+        "max_concurrent_requests": m.max_concurrent_requests,
     }
     for key in selected:
         s = m.stats[key]
@@ -239,6 +272,8 @@ def format_summary(m: BenchmarkMetrics, duration_s: float, selected: list[str],
     if m.request_goodput is not None:
         row("Request goodput (req/s):", m.request_goodput, ".2f")
     row("Output token throughput (tok/s):", m.output_throughput, ".2f")
+    row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f")
+    row("Peak concurrent requests:", m.max_concurrent_requests)
     row("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")
     for key in selected:
         s, name = m.stats[key], METRIC_NAMES[key]

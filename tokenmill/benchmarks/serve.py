@@ -165,7 +165,7 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
     headers = {"Content-Type": "application/json"}
     if api_key := os.environ.get("OPENAI_API_KEY"):
         headers["Authorization"] = f"Bearer {api_key}"
-    start = last = time.perf_counter()
+    start = last = out.start_time = time.perf_counter()
     try:
         async with session.post(api_url, json=payload, headers=headers) as resp:
             if resp.status != 200:
