@@ -1,0 +1,169 @@
+"""RayDistributedExecutor: ranks as Ray actors, so one model can span the hosts of a Ray cluster.
+
+A placement group reserves one bundle per rank ({"GPU": 1} on CUDA,
+{"CPU": 1} on CPU); actor i runs in bundle i and is rank i. Rank 0's
+actor reports its host address and a free port, which become the
+torch.distributed rendezvous (NCCL / gloo); from then on the ranks talk
+to each other directly and Ray only carries each step's SchedulerOutput
+(put once into the object store) and the output rank's result.
+
+Cluster set-up is Ray's own: `ray start --head` on one host,
+`ray start --address=HEAD_IP:6379` on the others, then run tokenmill on
+any of them (it joins the running cluster; RAY_ADDRESS picks another).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+class RayWorkerWrapper:
+    """The body of one Ray actor: builds a Worker and runs its methods on request."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.rank = 0
+        self.output_rank = 0
+
+    def get_node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def get_free_port(self) -> int:
+        from tokenmill.distributed.init import get_open_port
+
+        return get_open_port()
+
+    def init_worker(self, engine_config: EngineConfig, rank: int, init_method: str) -> None:
+        """Join the process group, pick the device Ray assigned (cuda:0 of its view) and load the model."""
+        from tokenmill.distributed.init import set_nccl_env_defaults
+        from tokenmill.worker.worker import Worker
+
+        if engine_config.device_config.device == "cuda":
+            set_nccl_env_defaults()
+        pc = engine_config.parallel_config
+        self.rank = rank
+        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, so it is local device 0.
+        self.worker = Worker(engine_config, rank=rank, local_rank=0, distributed_init_method=init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def execute_method(self, method: str, *args: Any) -> Any:
+        result = getattr(self.worker, method)(*args)
+        if method == "execute_model" and self.rank != self.output_rank:
+            return None  # only the output rank's result is used
+        return result
+
+
+def _ray_init() -> None:
+    """Join the running Ray cluster (RAY_ADDRESS or this host's), or start a local one.
+
+    Raises:
+        ValueError: the address does not answer; says how to start a cluster.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+    except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        raise ValueError(
+            f"Could not connect to the Ray cluster at {address or 'this host'} ({type(e).__name__}: {e}). Start one "
+            "with `ray start --head` on the head host (and `ray start --address=HEAD_IP:6379` on each other host), "
+            "then set RAY_ADDRESS=HEAD_IP:6379, or unset RAY_ADDRESS to run a local Ray instance."
+        ) from e
+
+
+class RayDistributedExecutor(Executor):
+    """`world_size` Ray actors in one placement group.
+
+    Raises:
+        ValueError: Ray is unreachable, or the cluster lacks the CPUs/GPUs
+            for one bundle per rank (the message gives the counts).
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        super().__init__(engine_config)
+        _ray_init()
+        pc = engine_config.parallel_config
+        self.world_size = pc.world_size
+        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        on_cuda = engine_config.device_config.device == "cuda"
+        resource = "GPU" if on_cuda else "CPU"
+        self.pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
+        self._remove_pg = remove_placement_group
+        ready, _ = ray.wait([self.pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            have = ray.cluster_resources().get(resource, 0)
+            remove_placement_group(self.pg)
+            raise ValueError(f"The Ray cluster cannot place {self.world_size} ranks of 1 {resource} each (it has "
+                             f"{have:g} {resource}s in all); add hosts with `ray start --address=...` or lower "
+                             "--tensor-parallel-size / --pipeline-parallel-size.")
+        actor_cls = ray.remote(RayWorkerWrapper)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=0 if on_cuda else 1,
+                num_gpus=1 if on_cuda else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(self.world_size)
+        ]
+        ip = ray.get(self.actors[0].get_node_ip.remote())
+        port = ray.get(self.actors[0].get_free_port.remote())
+        init_method = f"tcp://{ip}:{port}"
+        try:
+            ray.get([a.init_worker.remote(engine_config, rank, init_method) for rank, a in enumerate(self.actors)])
+        except ray.exceptions.RayTaskError as e:
+            self.shutdown()
+            if isinstance(getattr(e, "cause", None), ValueError):
+                raise ValueError(str(e.cause)) from None
+            raise
+        logger.info("Started %d Ray workers (tp=%d, pp=%d), rendezvous %s", self.world_size,
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method)
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        if not self.actors:
+            raise RuntimeError("The executor was shut down.")
+        refs = [ray.put(a) for a in args]  # serialized once, shared by every actor
+        return ray.get([actor.execute_method.remote(method, *refs) for actor in self.actors])
+
+    def determine_num_available_blocks(self) -> int:
+        """The minimum over ranks."""
+        return min(self._call_all("determine_num_available_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute_model", scheduler_output)[self.output_rank]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor)
+        self.actors = []
+        if getattr(self, "pg", None) is not None:
+            self._remove_pg(self.pg)
+            self.pg = None
