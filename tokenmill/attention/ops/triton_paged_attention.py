@@ -226,6 +226,8 @@ def choose_launch_config(
     block_m = max(block_m, qpk_pad, 16)
     if block_n is None:
         block_n = 64 if head_dim_pad <= 128 else 32
+        if num_stages == 1 and head_dim_pad >= 256 and block_m >= 64:
+            block_n = 16  # sm_7x (unpipelined): stay well under V100's 96 KiB shared memory
     num_warps = 8 if (block_m >= 64 and head_dim_pad >= 256) else 4
     return AttentionLaunchConfig(
         block_q=block_m // qpk_pad,

@@ -1,0 +1,86 @@
+"""Compile the Triton kernels for sm_70 (V100) and sm_90 (H100/H200) without a GPU.
+
+triton.compile with an explicit GPUTarget needs no driver: the NVIDIA backend
+lowers to PTX with LLVM and assembles a cubin with the ptxas bundled in the
+triton wheel. It runs in a subprocess because the test session may have set
+TRITON_INTERPRET=1 (which turns every @triton.jit into an interpreted function
+that cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, paged_attention_kernel
+    from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache_kernel
+    from tokenmill.platforms.cuda_rules import triton_launch_settings
+
+    def sig_of(kernel, pointers, floats, constexprs):
+        sig = {}
+        for name in kernel.arg_names:
+            sig[name] = pointers.get(name) or ("fp32" if name in floats else "i32")
+        for name in constexprs:
+            sig[name] = "constexpr"
+        return sig
+
+    results = []
+    for cc in (70, 90):
+        stages = triton_launch_settings((cc // 10, cc % 10))["num_stages"]
+        if cc == 70:  # KV write, fp16
+            cx = dict(BLOCK_SIZE=16, BLOCK_H=8, HEAD_DIM_PAD=128)
+            ptrs = {"key_ptr": "*fp16", "value_ptr": "*fp16", "kv_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}
+            src = triton.compiler.ASTSource(fn=reshape_and_cache_kernel, signature=sig_of(reshape_and_cache_kernel, ptrs, (), cx), constexprs=cx)
+            k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+            results.append(dict(kernel="kv_write", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+        # Attention, fp16: decode tiles and prefill tiles, head_dim 128 and 256, window + softcap on.
+        # sm_70: decode tiles at head_dim 128 and the largest prefill tiles (head_dim 256);
+        # sm_90: prefill tiles at head_dim 128. (Each sm_70 compile takes seconds: FMA dots unroll.)
+        shapes = ((1, 128), (512, 256)) if cc == 70 else ((512, 128),)
+        for max_q, head_dim in shapes:
+            cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
+            cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC="tf32")
+            ptrs = {"out_ptr": "*fp16", "q_ptr": "*fp16", "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32",
+                    "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+            src = triton.compiler.ASTSource(fn=paged_attention_kernel,
+                                            signature=sig_of(paged_attention_kernel, ptrs, ("scale", "softcap"), cx), constexprs=cx)
+            k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
+            results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}", cc=cc,
+                                ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+    print(json.dumps(results))
+    """
+)
+
+
+def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["kernel"], r["cc"]) for r in results] == [
+        ("kv_write", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
+    ]
+    for r in results:
+        want = "sm_70" if r["cc"] == 70 else "sm_90a"
+        assert r["ptx_target"] == [want], r
+        assert r["cubin_bytes"] > 0, r
+        # Shared memory per block: V100 allows 96 KiB, H100/H200 227 KiB.
+        assert r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r

@@ -1,0 +1,148 @@
+"""Triton varlen paged attention vs a float64 PyTorch reference.
+
+CPU: runs under the Triton interpreter (see conftest.py), fp32, tiny shapes.
+CUDA (when present): the same checks at real sizes in fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from attention_reference import make_paged_batch, reference_attention
+
+from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, paged_attention
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _run(batch, *, poison=True, **kwargs):
+    out = torch.full_like(batch.query, float("nan")) if poison else None
+    return paged_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        num_reqs=batch.num_reqs,
+        max_query_len=batch.max_query_len,
+        out=out,
+        **kwargs,
+    )
+
+
+def _check(batch, out, atol, **attn_kwargs):
+    assert not torch.isnan(out).any(), "some output element was never written"
+    ref = reference_attention(batch, **attn_kwargs)
+    n = ref.shape[0]
+    err = (out[:n].double().cpu() - ref).abs().max().item()
+    assert err < atol, f"max abs error {err} >= {atol}"
+    if batch.num_padding_tokens:
+        assert torch.all(out[n:] == 0), "padding rows must be zero"
+
+
+def _random_lens(rng: random.Random, num_reqs: int, max_ctx: int, max_q: int) -> tuple[list[int], list[int]]:
+    ctx, q = [], []
+    for _ in range(num_reqs):
+        kind = rng.random()
+        q.append(1 if kind < 0.5 else rng.randint(1, max_q))  # half decodes
+        ctx.append(0 if rng.random() < 0.2 else rng.randint(1, max_ctx))
+    return ctx, q
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, sliding_window, soft_cap)
+CASES = [
+    (2, 2, 16, 16, None, None),  # MHA
+    (4, 2, 16, 16, None, None),  # GQA 2
+    (8, 2, 16, 32, None, None),  # GQA 4
+    (4, 1, 16, 16, None, None),  # MQA
+    (4, 2, 24, 16, None, None),  # head_dim padded to 32
+    (4, 2, 16, 16, 7, None),  # window
+    (4, 1, 16, 32, 20, 5.0),  # window + softcap, MQA
+    (2, 1, 64, 16, None, 3.0),  # head_dim 64, softcap
+    (4, 2, 64, 32, 33, None),  # head_dim 64, window crossing blocks
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window,cap", CASES)
+def test_random_mixed_batches(num_heads, num_kv_heads, head_dim, block_size, window, cap):
+    rng = random.Random(hash((num_heads, num_kv_heads, head_dim, block_size, window, cap)) % 1000)
+    gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
+    for trial in range(4):
+        ctx, q = _random_lens(rng, rng.randint(1, 4), max_ctx=150, max_q=9)
+        batch = make_paged_batch(
+            ctx, q, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, dtype=torch.float32, device=DEVICE,
+            num_padding_tokens=trial % 3, generator=gen,
+        )
+        kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
+        _check(batch, _run(batch, **kw), atol=2e-5, **kw)
+
+
+def test_edge_lengths_and_tile_shapes():
+    """Chunk of 1 at context 0, chunks ending exactly on a block edge, a long
+    chunk spanning several query blocks, and KV tiles smaller than a block."""
+    gen = torch.Generator().manual_seed(1)
+    ctx = [0, 0, 15, 16, 31, 5]
+    q = [1, 16, 1, 16, 2, 21]
+    batch = make_paged_batch(ctx, q, num_heads=4, num_kv_heads=2, head_dim=16, block_size=32,
+                             dtype=torch.float32, device=DEVICE, num_padding_tokens=3, generator=gen)
+    kw = dict(scale=0.3)
+    for block_m, block_n in [(None, None), (16, 16), (64, 128), (32, 32)]:
+        _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
+
+
+def test_decode_only_batch_uses_small_tiles():
+    gen = torch.Generator().manual_seed(2)
+    ctx = [0, 1, 17, 40, 63]
+    batch = make_paged_batch(ctx, [1] * len(ctx), num_heads=8, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32, device=DEVICE, generator=gen)
+    assert choose_launch_config(1, 4, 16).block_m == 16
+    kw = dict(scale=0.25, sliding_window=16)
+    _check(batch, _run(batch, **kw), atol=2e-5, **kw)
+
+
+def test_fp16_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([0, 20, 3], [5, 1, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float16, device=DEVICE, num_padding_tokens=1, generator=gen)
+    kw = dict(scale=0.25, logits_soft_cap=4.0)
+    out = _run(batch, **kw)
+    assert out.dtype == torch.float16
+    _check(batch, out, atol=3e-3, **kw)
+
+
+def test_launch_config_rules():
+    cfg = choose_launch_config(1, 4, 128)
+    assert (cfg.block_m, cfg.block_q, cfg.qpk_pad, cfg.head_dim_pad) == (16, 4, 4, 128)
+    cfg = choose_launch_config(500, 3, 96)  # 3 heads per kv head pad to 4; 96 pads to 128
+    assert (cfg.block_m, cfg.block_q, cfg.qpk_pad, cfg.head_dim_pad) == (64, 16, 4, 128)
+    cfg = choose_launch_config(1, 32, 64)  # MQA with 32 heads: a tile holds one token
+    assert (cfg.block_m, cfg.block_q) == (32, 1)
+    assert choose_launch_config(100, 1, 256).block_n == 32
+
+
+def test_rejects_bad_head_ratio():
+    gen = torch.Generator().manual_seed(4)
+    batch = make_paged_batch([0], [1], num_heads=3, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32, generator=gen)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _run(batch, scale=1.0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (256, 64)])
+@pytest.mark.parametrize("window,cap", [(None, None), (256, None), (None, 30.0)])
+def test_cuda_real_sizes(dtype, head_dim, block_size, window, cap):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs cc >= 8.0")
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    ctx = [0, 700, 1000, 31, 2000, 5]
+    q = [300, 1, 1, 64, 1, 129]
+    batch = make_paged_batch(ctx, q, num_heads=32, num_kv_heads=4, head_dim=head_dim, block_size=block_size,
+                             dtype=dtype, device="cuda", num_padding_tokens=4, generator=gen)
+    kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
+    _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
