@@ -1,0 +1,239 @@
+"""Building blocks shared by the Llama-like families (Qwen2/3, Qwen3-MoE, Mistral, Mixtral).
+
+They differ from Llama (`llama.py`) only in a few switches, so one attention,
+one pre-norm decoder layer and one causal-LM shell take those switches:
+
+    family      qkv bias  o bias  q/k norm  sliding window             MLP
+    Qwen2       yes       no      no        layer_types (HF)           gated
+    Qwen3       attn_bias attn_b  RMSNorm   layer_types (HF)           gated
+    Qwen3-MoE   attn_bias attn_b  RMSNorm   every layer when set       MoE / gated
+    Mistral     no        no      no        every layer when set       gated
+    Mixtral     no        no      no        every layer when set       MoE
+
+Sources: transformers' `modeling_{qwen2,qwen3,qwen3_moe,mistral,mixtral}.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.fused_moe import FusedMoE, load_expert_weight
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
+from tokenmill.models.utils import load_weights_with_mapping
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The attention window of layer `layer_idx` as transformers applies it (None = full attention).
+
+    With `config.layer_types` (Qwen2/3, Gemma 3) only "sliding_attention"
+    layers get `config.sliding_window`; Qwen2/3 configs already set
+    sliding_window to None unless `use_sliding_window`, and mark layers
+    `>= max_window_layers` as sliding. Without layer_types (Mistral,
+    Mixtral, Qwen3-MoE) every layer uses `config.sliding_window` when set.
+    """
+    window = getattr(config, "sliding_window", None)
+    if hasattr(config, "use_sliding_window") and not config.use_sliding_window:
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class DecoderAttention(nn.Module):
+    """GQA self-attention with RoPE and optional per-head q/k RMSNorm.
+
+    Args:
+        config: the HF text config (hidden_size, heads, head_dim, rope, ...).
+        layer_idx: this layer's index (KV cache slot).
+        qkv_bias / o_bias: biases of the fused q/k/v and the output projection.
+        qk_norm: None, "rms" (Qwen3: RMSNorm over head_dim) or "gemma" (x * (1 + w)).
+        scale: softmax scale (default head_dim ** -0.5).
+        sliding_window: window in tokens (self included) or None.
+        rope_parameters: override of `rope_parameters_from_config(config)`.
+        logits_soft_cap: attention score soft-cap or None.
+
+    forward(positions [T] int64, hidden_states [T, H]) -> [T, H].
+    """
+
+    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: str | None = None, scale: float | None = None, sliding_window: int | None = None,
+                 rope_parameters: dict[str, Any] | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        hidden_size = config.hidden_size
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_num_heads
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
+                                          bias=qkv_bias)
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=o_bias)
+        self.num_heads = total_num_heads // tp
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        if qk_norm is not None:
+            eps = getattr(config, "rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps=eps, gemma=qk_norm == "gemma")
+            self.k_norm = RMSNorm(self.head_dim, eps=eps, gemma=qk_norm == "gemma")
+        self.qk_norm = qk_norm
+        rope = rope_parameters if rope_parameters is not None else rope_parameters_from_config(config)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, rope)
+        self.attn = Attention(self.num_heads, self.head_dim, scale if scale is not None else self.head_dim**-0.5,
+                              self.num_kv_heads, layer_idx, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm is not None:
+            # Per-head norm before RoPE (HF Qwen3Attention / Gemma3Attention).
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated) + `experts` (FusedMoE). x [T, H] -> [T, H].
+
+    Args:
+        renormalize: Mixtral True; Qwen3-MoE `config.norm_topk_prob`.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 hidden_act: str = "silu") -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+                                activation="gelu" if hidden_act.startswith("gelu") else "silu")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states, self.gate(hidden_states))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block (input_layernorm -> attn -> post_attention_layernorm -> mlp), fused residual adds."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens, `make_layer(config, i)` for each layer, final norm. [T] ids -> [T, H]."""
+
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder + LM head; subclasses define `make_layer(config, layer_idx)`.
+
+    forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
+    compute_logits(hidden [N, H]) -> [N, vocab] float32. Must run inside
+    `tokenmill.forward_context.set_forward_context(...)`.
+    """
+
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    packed_modules_mapping = {
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".gate_proj": (".gate_up_proj", 0),
+        ".up_proj": (".gate_up_proj", 1),
+    }
+    # checkpoint name fragment -> module path fragment (e.g. Mixtral's block_sparse_moe -> mlp)
+    checkpoint_renames: dict[str, str] = {}
+    # fp16 overflows in this family's activations: dtype "auto" avoids fp16 (config_resolve)
+    fp16_unsafe = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.make_layer)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors in (experts, fused q/k/v and gate/up included).
+
+        Returns the parameter names loaded. Skips recomputed rotary buffers and
+        `lm_head.weight` when embeddings are tied. Raises ValueError for an
+        unknown name or a shape mismatch.
+        """
+        return load_decoder_weights(self, weights, self.packed_modules_mapping, self.checkpoint_renames)
+
+
+_ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         packed_modules_mapping: dict[str, tuple[str, str | int]],
+                         renames: dict[str, str] | None = None) -> set[str]:
+    """`load_weights_with_mapping` plus renames, tied-head skipping and MoE expert routing."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    params = dict(model.named_parameters())
+    rename_re = re.compile("|".join(re.escape(k) for k in renames)) if renames else None
+    loaded: set[str] = set()
+
+    def rest() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(_ROTARY_BUFFERS) or (tied and name.startswith("lm_head.")):
+                continue
+            if rename_re is not None:
+                name = rename_re.sub(lambda m: renames[m.group(0)], name)
+            target = load_expert_weight(params, name, tensor)  # expert names must not hit ".gate_proj"
+            if target is not None:
+                loaded.add(target)
+            else:
+                yield name, tensor
+
+    loaded |= load_weights_with_mapping(model, rest(), packed_modules_mapping)
+    return loaded

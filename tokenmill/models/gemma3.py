@@ -1,0 +1,148 @@
+"""Gemma 3 text model (HF `Gemma3ForCausalLM`, Gemma Team 2025).
+
+Differences from Llama, as transformers' `modeling_gemma3.py`:
+
+- embeddings scaled by sqrt(hidden_size), the scale rounded to the model dtype;
+- Gemma RMSNorm, x * (1 + w), and four norms per block (sandwich norm):
+
+      h = x + post_attention_layernorm(attn(input_layernorm(x)))
+      y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+- per-head q/k Gemma RMSNorm before RoPE; query scale
+  `query_pre_attn_scalar ** -0.5`; final-logit soft-cap when
+  `final_logit_softcapping` is set. `attn_logit_softcapping` is NOT applied:
+  transformers' Gemma3Attention (5.x) keeps the value but never passes it to
+  attention, and released Gemma 3 configs set it to null; we match HF;
+- local layers ("sliding_attention" in `layer_types`, by default 5 of every
+  6) use `sliding_window` and the local RoPE base (`rope_parameters
+  ["sliding_attention"]`, formerly `rope_local_base_freq`); global layers
+  full attention and the global base;
+- GeGLU MLP (`hidden_activation`, gelu-tanh).
+
+Gemma's activations overflow fp16, so the class is marked `fp16_unsafe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.rotary import rope_parameters_from_config
+from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, load_decoder_weights
+from tokenmill.models.llama import LlamaMLP
+
+
+def gemma3_layer_type(config: Any, layer_idx: int) -> str:
+    """"sliding_attention" or "full_attention" for layer `layer_idx`.
+
+    From `config.layer_types`, else the older `sliding_window_pattern`
+    (every pattern-th layer global; default 6).
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx]
+    pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
+    return "sliding_attention" if (layer_idx + 1) % pattern else "full_attention"
+
+
+def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
+    """RoPE parameters of a layer type; the local base comes from `rope_local_base_freq` on old configs."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return rope_parameters_from_config(config, layer_type)
+    params = rope_parameters_from_config(config)
+    if layer_type == "sliding_attention":
+        params = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    return params
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich-norm block; carries the residual stream separately (fused add + norm)."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        layer_type = gemma3_layer_type(config, layer_idx)
+        sliding = layer_type == "sliding_attention"
+        bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = DecoderAttention(
+            config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm="gemma",
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+            sliding_window=config.sliding_window if sliding else None,
+            rope_parameters=gemma3_rope_parameters(config, layer_type),
+            logits_soft_cap=None,  # HF Gemma 3 ignores attn_logit_softcapping (module docstring)
+        )
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, act)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps=eps, gemma=True)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, gemma=True)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=True)
+        self.post_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=True)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers, final norm. forward(input_ids [T], positions [T]) -> [T, H]."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # HF multiplies by a 0-dim tensor cast to the weight dtype: use that rounded value.
+        self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, gemma=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 decoder + LM head (tied to the embedding unless the config unties it).
+
+    forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
+    compute_logits(hidden [N, H]) -> [N, vocab] float32, soft-capped by
+    `final_logit_softcapping` when set.
+    """
+
+    packed_modules_mapping = DecoderForCausalLM.packed_modules_mapping
+    fp16_unsafe = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the parameter names loaded. Raises ValueError on unknown names/shapes."""
+        return load_decoder_weights(self, weights, self.packed_modules_mapping)
