@@ -74,7 +74,6 @@ class TorchSDPABackend:
         """
         n = attn_metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
-        out = torch.zeros_like(query)
         qsl = attn_metadata.query_start_loc_cpu
         seq_lens = attn_metadata.seq_lens_cpu
         num_reqs = attn_metadata.num_reqs
@@ -82,8 +81,13 @@ class TorchSDPABackend:
         args = (scale, sliding_window, logits_soft_cap)
 
         decode_reqs = np.flatnonzero(query_lens == 1)
+        if len(decode_reqs) == num_reqs == query.shape[0]:
+            # Pure decode step, no padding: token i is request i, no scatter needed.
+            return self._decode_batch(query, kv_cache, attn_metadata, decode_reqs, *args)
+        out = torch.zeros_like(query)
         if len(decode_reqs) > 0:
-            self._decode_batch(query, kv_cache, attn_metadata, decode_reqs, out, *args)
+            tok = torch.from_numpy(qsl[decode_reqs].astype(np.int64)).to(query.device, non_blocking=True)
+            out[tok] = self._decode_batch(query, kv_cache, attn_metadata, decode_reqs, *args)
         for i in np.flatnonzero(query_lens > 1).tolist():
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(seq_lens[i])
@@ -124,32 +128,33 @@ class TorchSDPABackend:
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         reqs: np.ndarray,  # [B] request indices with query_len 1
-        out: torch.Tensor,
         scale: float,
         window: int | None,
         cap: float | None,
-    ) -> None:
+    ) -> torch.Tensor:  # [B, H, D]: the decode tokens' outputs, in `reqs` order
         device = query.device
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         _, num_heads, head_dim = query.shape
+        bsz = len(reqs)
         seq_lens = md.seq_lens_cpu[reqs].astype(np.int64)
-        tok = md.query_start_loc_cpu[reqs].astype(np.int64)  # each decode's token row
         # Per row, the blocks that can hold visible keys:
         #   seq_lens [5, 40], block 16, window 8 -> first [0, 2], last [0, 2] (blocks of pos 32..39)
         first = np.maximum(0, seq_lens - window) // block_size if window else np.zeros_like(seq_lens)
         nblocks = -(-seq_lens // block_size) - first
-        max_nb = int(nblocks.max())
         # block_idx[b, t] = first[b] + t; entries past a row's end are masked by position.
-        block_idx = first[:, None] + np.arange(max_nb)[None]
-        rows = torch.from_numpy(reqs).to(device, non_blocking=True)
+        block_idx = first[:, None] + np.arange(int(nblocks.max()))[None]
         block_idx_t = torch.from_numpy(block_idx).to(device, non_blocking=True)
         qpos = torch.from_numpy(seq_lens - 1).to(device, non_blocking=True)[:, None]  # [B, 1]
-        tok_t = torch.from_numpy(tok).to(device, non_blocking=True)
-        bsz = len(reqs)
-        q5 = query[tok_t].view(bsz, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+        if bsz == md.num_reqs:
+            q, block_rows = query[:bsz], md.block_table[:bsz]
+        else:
+            tok = torch.from_numpy(md.query_start_loc_cpu[reqs].astype(np.int64)).to(device, non_blocking=True)
+            rows = torch.from_numpy(reqs).to(device, non_blocking=True)
+            q, block_rows = query[tok], md.block_table[rows]
+        q5 = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
         tile_blocks = max(1, self.decode_tile_budget // (bsz * block_size))
-        o = _paged_attention(q5, kv_cache, md.block_table[rows], block_idx_t, qpos, scale, window, cap, tile_blocks)
-        out[tok_t] = o.reshape(bsz, num_heads, head_dim)
+        o = _paged_attention(q5, kv_cache, block_rows, block_idx_t, qpos, scale, window, cap, tile_blocks)
+        return o.reshape(bsz, num_heads, head_dim)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -160,11 +165,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    valid = slot_mapping >= 0
-    # Boolean indexing costs a device sync on CUDA; the fallback backend accepts it.
-    slots = slot_mapping[valid]
-    flat[0].index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+    if slot_mapping.numel() == 0:
+        return
+    if slot_mapping.device.type != "cpu" or int(slot_mapping.min()) < 0:
+        # Boolean indexing costs a device sync on CUDA; the fallback backend accepts it.
+        valid = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def _fresh_prefill_sdpa(
@@ -220,12 +228,18 @@ def _paged_attention(
         idx = block_idx[:, t0 : t0 + tile_blocks]  # [B, nbt]
         ntok = idx.shape[1] * block_size
         # Logical index past the table's width only occurs for masked keys; clamp to stay in bounds.
-        ids = torch.gather(block_rows, 1, idx.clamp(max=width - 1)).long()
+        ids = torch.gather(block_rows, 1, idx.clamp(max=width - 1)).flatten().long()
         kpos = (idx[:, :, None] * block_size + offsets).reshape(bsz, ntok)  # [B, T]
-        # [B, nbt, bs, Hkv, D] -> [B, Hkv, T, D]
-        k = kv_cache[0][ids].reshape(bsz, ntok, num_kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1][ids].reshape(bsz, ntok, num_kv_heads, head_dim).transpose(1, 2)
-        s = torch.matmul(q_flat, k.transpose(2, 3).to(q.dtype)).float() * scale  # [B, Hkv, G*Q, T]
+        # index_select keeps the cache layout: [B*nbt, bs, Hkv, D] -> [B, T, Hkv, D]. Slicing one
+        # KV head gives a strided [B, T, D] that bmm takes without a copy (a 4-D matmul
+        # over [B, Hkv] would first copy K into [B, Hkv, T, D]).
+        k = kv_cache[0].index_select(0, ids).view(bsz, ntok, num_kv_heads, head_dim)
+        v = kv_cache[1].index_select(0, ids).view(bsz, ntok, num_kv_heads, head_dim)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = torch.stack(
+            [torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1
+        ).float() * scale  # [B, Hkv, G*Q, T]
         if cap is not None:
             s = torch.tanh(s / cap) * cap
         visible = kpos[:, None, :] <= qpos[:, :, None]  # [B, Q, T]
@@ -240,7 +254,8 @@ def _paged_attention(
         # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp gives 0, not NaN.
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])
-        pv = torch.matmul(p.view(bsz, num_kv_heads, group * qlen, ntok).to(v.dtype), v).float()
+        p_flat = p.view(bsz, num_kv_heads, group * qlen, ntok).to(v.dtype)
+        pv = torch.stack([torch.bmm(p_flat[:, h], v[:, :, h]) for h in range(num_kv_heads)], dim=1).float()
         pv = pv.view(bsz, num_kv_heads, group, qlen, head_dim)
         if m is None:
             l, acc = p.sum(dim=-1), pv
