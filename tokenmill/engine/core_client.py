@@ -50,8 +50,10 @@ class EngineCoreClient:
     `client.add_request(req)`, `client.abort_requests(ids)`, `client.shutdown()`.
     """
 
-    def __init__(self, engine_config: Any, num_threads: int | None = None) -> None:
+    def __init__(self, engine_config: Any, num_threads: int | None = None,
+                 core_class: str = "tokenmill.engine.core:EngineCore") -> None:
         self.engine_config = engine_config
+        self.core_class = core_class
         self.num_threads = num_threads if num_threads is not None else core_num_threads()
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         self.input_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
@@ -94,7 +96,7 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self.engine_config, self.input_addr, self.output_addr, self.num_threads),
+            args=(self.engine_config, self.input_addr, self.output_addr, self.num_threads, self.core_class),
             name="tokenmill-engine-core",
             daemon=True,
         )
@@ -181,10 +183,12 @@ class EngineCoreClient:
             self._reader = None
         proc = self._proc
         if proc is not None and proc.is_alive():
-            # Best effort: outside a running loop the async socket may refuse;
-            # terminate() below covers that.
-            with contextlib.suppress(Exception):
-                self._in.send_multipart([MessageKind.SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            # A synchronous twin of the async socket: works outside the event
+            # loop, and fails at once (terminate() below covers it) if the
+            # core is no longer connected.
+            with contextlib.suppress(zmq.ZMQError):
+                zmq.Socket.shadow(self._in.underlying).send_multipart([MessageKind.SHUTDOWN, b""],
+                                                                      flags=zmq.NOBLOCK)
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.terminate()
@@ -193,7 +197,7 @@ class EngineCoreClient:
                 proc.kill()
                 proc.join()
         if not self._ctx.closed:
-            self._in.close(linger=0)
-            self._out.close(linger=0)
-            self._ctx.term()
+            # destroy() closes every socket first; term() alone would wait
+            # for sockets a cancelled poll may still hold.
+            self._ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)

