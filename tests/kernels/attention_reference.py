@@ -54,10 +54,11 @@ def make_paged_batch(
         ids = perm[next_block : next_block + nb]
         next_block += nb
         block_table[i, :nb] = torch.tensor(ids, dtype=torch.int32)
-        for p in range(s):
-            kv_cache[:, ids[p // block_size], p % block_size] = torch.randn(
-                2, num_kv_heads, head_dim, generator=generator, dtype=torch.float64
-            )
+        pos = torch.arange(s)
+        # position p -> (block ids[p // block_size], offset p % block_size)
+        kv_cache[:, torch.tensor(ids, dtype=torch.long)[pos // block_size], pos % block_size] = torch.randn(
+            2, s, num_kv_heads, head_dim, generator=generator, dtype=torch.float64
+        )
     num_tokens = sum(query_lens) + num_padding_tokens
     query = torch.randn(num_tokens, num_heads, head_dim, generator=generator, dtype=torch.float64)
     qsl = [0]
