@@ -46,6 +46,8 @@ class FakeStream:
             raise StopAsyncIteration
         await asyncio.sleep(0)
         out = self.items.pop(0)
+        if isinstance(out, BaseException):
+            raise out
         if out.finished:
             self.unfinished.discard(out.request_id)
         return out
@@ -111,6 +113,10 @@ class FakeEngine:
                                               token_ids=list(range(100, 100 + k)), logprobs=logprobs,
                                               finish_reason="length" if done else None))
             stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done))
+        if prompt == "die":  # the core dies after the first output
+            from tokenmill.engine.core_client import EngineDeadError
+
+            stream.items[1:] = [EngineDeadError("core process exited")]
         return stream
 
 

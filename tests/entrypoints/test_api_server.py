@@ -175,3 +175,14 @@ def test_abandoned_stream_aborts_its_request(app, fake_engine):
 
     asyncio.run(run())
     assert fake_engine.aborted == ["r1"]
+
+
+def test_engine_death_mid_stream_sends_an_error_event_then_done(call):
+    status, raw = call("POST", "/v1/completions", {"prompt": "die", "max_tokens": 4, "stream": True})
+    assert status == 200  # the headers had gone out before the failure
+    events = _sse_events(raw)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == 503 and "core process exited" in last["error"]["message"]
+    status, raw = call("POST", "/v1/completions", {"prompt": "die", "max_tokens": 4})
+    _assert_error(status, raw, 503)

@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Submission,
     finish_reason_text,
+    stream_error_body,
     sse,
     token_text,
 )
@@ -103,10 +104,8 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
                 yield chunk([], {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens})
-        except ValueError as exc:  # after headers: report in-band, as vLLM does
-            from tokenmill.entrypoints.openai.errors import error_body
-
-            yield sse(error_body(str(exc), 400))
+        except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
+            yield sse(stream_error_body(exc))
         finally:
             sub.stream.close()
         yield SSE_DONE

@@ -20,6 +20,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Submission,
     finish_reason_text,
+    stream_error_body,
     sse,
     token_text,
 )
@@ -84,10 +85,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": UsageInfo(prompt_tokens=p, completion_tokens=c,
                                                              total_tokens=p + c).model_dump()})
-        except ValueError as exc:  # after headers: report in-band, as vLLM does
-            from tokenmill.entrypoints.openai.errors import error_body
-
-            yield sse(error_body(str(exc), 400))
+        except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
+            yield sse(stream_error_body(exc))
         finally:
             sub.stream.close()
         yield SSE_DONE

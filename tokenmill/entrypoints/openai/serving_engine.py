@@ -9,12 +9,15 @@ batched completions.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class EngineClient(Protocol):
@@ -145,6 +148,23 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_body(exc: Exception) -> dict[str, Any]:
+    """The error event a stream sends when a request fails after the headers went out.
+
+    ValueError -> 400 (the request's fault), EngineDeadError -> 503, anything
+    else -> 500 (logged: it is a bug).
+    """
+    from tokenmill.engine.core_client import EngineDeadError
+    from tokenmill.entrypoints.openai.errors import error_body
+
+    if isinstance(exc, ValueError):
+        return error_body(str(exc), 400)
+    if isinstance(exc, EngineDeadError):
+        return error_body(f"The engine is not running: {exc}", 503)
+    logger.error("unexpected error in a stream", exc_info=exc)
+    return error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
 
 def finish_reason_text(reason: Any) -> str | None:

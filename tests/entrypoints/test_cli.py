@@ -1,0 +1,43 @@
+"""`tokenmill` command line: version, help text, and start-up errors turned into exit codes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.entrypoints.cli import main, make_parser
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("tokenmill ")
+
+
+def test_serve_defaults_are_local_and_help_names_device_defaults(capsys):
+    args = make_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model_tag) == ("127.0.0.1", 8000, None)
+    args = make_parser().parse_args(["serve", "some/model", "--served-model-name", "m", "--max-num-seqs", "4"])
+    assert (args.model_tag, args.served_model_name, args.max_num_seqs) == ("some/model", "m", 4)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "CPU 256 offline / 128 server" in text  # --max-num-seqs per-device defaults
+    assert "127.0.0.1" in text
+
+
+def test_bad_engine_argument_exits_1_with_the_sentence(capsys):
+    code = main(["serve", "--max-num-seqs", "0"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "--max-num-seqs" in err
+
+
+def test_conflicting_model_arguments_exit_2(capsys):
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two different models" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().out
