@@ -67,6 +67,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     platform = current_platform(args.device)
     dtype = _resolve_dtype(args.dtype, platform)
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
+    _verify_parallel(args, hf_config, platform)
     model_config = ModelConfig(
         model=args.model if args.model is not None else BUNDLED_MODEL_NAME,
         model_path=source.weights_path,
@@ -129,6 +130,34 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
         raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}.")
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
+
+
+def _verify_parallel(args: EngineArgs, hf_config: Any, platform: Platform) -> None:
+    """Start-up checks of tensor/pipeline parallel sizes against the model and the host.
+
+    Raises:
+        ValueError: sizes that do not split the heads/MLP/layers (naming sizes
+            that work), a backend that cannot run them, more ranks than GPUs,
+            or pipeline parallelism on a model class without it.
+    """
+    from tokenmill.distributed.partition import verify_parallel_sizes
+    from tokenmill.executor import get_executor_class
+
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    verify_parallel_sizes(hf_config, tp, pp)
+    backend = args.distributed_executor_backend
+    get_executor_class(ParallelConfig(tp, pp, backend))  # unknown / unavailable backends fail here
+    if platform.device_type == "cuda" and backend != "ray" and tp * pp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} ranks need {tp * pp} GPUs, but "
+                         f"this host has {torch.cuda.device_count()} visible; lower the sizes or use "
+                         "--distributed-executor-backend ray on a multi-host Ray cluster.")
+    if pp > 1:
+        from tokenmill.models.registry import resolve_model_cls
+
+        model_cls, arch = resolve_model_cls(getattr(hf_config, "architectures", None))
+        if not getattr(model_cls, "supports_pp", False):
+            raise ValueError(f"{arch} does not support pipeline parallelism yet; use --pipeline-parallel-size 1 "
+                             "(tensor parallelism works).")
 
 
 def _resolve_architecture(hf_config: Any) -> str:

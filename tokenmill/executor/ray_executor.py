@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -67,6 +68,33 @@ class RayWorkerWrapper:
         return result
 
 
+_HOW_TO_START = ("Start one with `ray start --head` on the head host (and `ray start --address=HEAD_IP:6379` on "
+                 "each other host), then set RAY_ADDRESS=HEAD_IP:6379, or unset RAY_ADDRESS to run a local Ray "
+                 "instance.")
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast when a `host:port` Ray address does not accept connections.
+
+    Ray itself retries an unreachable address for minutes; a plain TCP
+    connect answers in `timeout_s`. None and "auto" (find a local cluster)
+    are not checked.
+
+    Raises:
+        ValueError: the address is malformed or nothing listens there.
+    """
+    if address is None or address in ("auto", "local"):
+        return
+    host_port = address.split("://", 1)[-1]
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379). {_HOW_TO_START}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"No Ray cluster answers at {address} ({e.strerror or e}). {_HOW_TO_START}") from None
+
+
 def _ray_init() -> None:
     """Join the running Ray cluster (RAY_ADDRESS or this host's), or start a local one.
 
@@ -78,14 +106,12 @@ def _ray_init() -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
+    check_ray_address(address)
     try:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
     except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-        raise ValueError(
-            f"Could not connect to the Ray cluster at {address or 'this host'} ({type(e).__name__}: {e}). Start one "
-            "with `ray start --head` on the head host (and `ray start --address=HEAD_IP:6379` on each other host), "
-            "then set RAY_ADDRESS=HEAD_IP:6379, or unset RAY_ADDRESS to run a local Ray instance."
-        ) from e
+        raise ValueError(f"Could not connect to the Ray cluster at {address or 'this host'} "
+                         f"({type(e).__name__}: {e}). {_HOW_TO_START}") from e
 
 
 class RayDistributedExecutor(Executor):
