@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.fused_moe import FusedMoE, load_expert_weight
@@ -46,8 +45,8 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
         window = None
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window
+        return None
+    return None
 
 
 class DecoderAttention(nn.Module):
@@ -70,15 +69,17 @@ class DecoderAttention(nn.Module):
                  qk_norm: str | None = None, scale: float | None = None, sliding_window: int | None = None,
                  rope_parameters: dict[str, Any] | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
         hidden_size = config.hidden_size
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_num_heads
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
                                           bias=qkv_bias)
-        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=o_bias)
-        self.num_heads = total_num_heads // tp
+        # Heads are split by whole KV-head groups, possibly unevenly; o_proj takes the matching columns.
+        self.num_heads = self.qkv_proj.num_heads
+        q_start = self.qkv_proj.partition.q_start
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, hidden_size, bias=o_bias,
+                                        input_partition=(q_start * self.head_dim, self.num_heads * self.head_dim))
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
