@@ -3,8 +3,8 @@
 `batch_prefill_logits` runs a tokenmill model on several prompts in ONE
 forward pass (a mixed-length prefill batch) over a real paged KV cache with
 the TORCH_SDPA backend's tiled path, blocks handed out in shuffled order.
-`hf_greedy` decodes with transformers step by step (full recompute, no
-cache) and keeps each step's logits, so a divergence can be judged by the
+`hf_greedy` decodes with transformers step by step (its own KV cache)
+and keeps each step's logits, so a divergence can be judged by the
 near-tie rule (`compare_greedy`).
 """
 
@@ -64,16 +64,16 @@ def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers greedy decode (argmax, no EOS stop): (token ids, each step's logits [vocab])."""
-    ids = list(prompt)
-    out, step_logits = [], []
+    """transformers greedy decode with its KV cache (argmax, no EOS stop): (token ids, each step's logits)."""
+    out = hf_model(torch.tensor([prompt]), use_cache=True)
+    tokens, step_logits = [], []
     for _ in range(max_tokens):
-        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        logits = out.logits[0, -1].float()
         tok = int(logits.argmax())
-        out.append(tok)
+        tokens.append(tok)
         step_logits.append(logits)
-        ids.append(tok)
-    return out, step_logits
+        out = hf_model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, step_logits
 
 
 def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor],

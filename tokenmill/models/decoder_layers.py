@@ -45,8 +45,8 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
         window = None
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        return None
-    return None
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
 
 
 class DecoderAttention(nn.Module):
