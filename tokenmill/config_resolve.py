@@ -29,7 +29,7 @@ from tokenmill.config import (
 )
 from tokenmill.model_loader.hf_config import load_generation_config, load_hf_config
 from tokenmill.model_loader.source import BUNDLED_MODEL_NAME, ModelSource, resolve_model_source
-from tokenmill.models.registry import get_supported_archs
+from tokenmill.models.registry import get_supported_archs, resolve_model_cls
 from tokenmill.platforms import current_platform
 from tokenmill.platforms.cuda import force_cc70
 from tokenmill.platforms.interface import Platform
@@ -65,7 +65,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     hf_config = load_hf_config(source, args.revision, args.trust_remote_code)
     architecture = _resolve_architecture(hf_config)
     platform = current_platform(args.device)
-    dtype = _resolve_dtype(args.dtype, platform)
+    dtype = _resolve_dtype(args.dtype, platform, architecture)
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
     _verify_parallel(args, hf_config, platform)
     model_config = ModelConfig(
@@ -169,15 +169,24 @@ def _resolve_architecture(hf_config: Any) -> str:
                      f"Supported architectures: {', '.join(get_supported_archs())}.")
 
 
-def _resolve_dtype(requested: str, platform: Platform) -> torch.dtype:
+def _resolve_dtype(requested: str, platform: Platform, architecture: str | None = None) -> torch.dtype:
+    # Model classes with `fp16_unsafe = True` (Gemma 3: activations overflow fp16) never get fp16 from "auto".
+    fp16_unsafe = bool(architecture) and getattr(resolve_model_cls([architecture])[0], "fp16_unsafe", False)
     if requested == "auto":
         dtype = platform.default_dtype()
+        if dtype == torch.float16 and fp16_unsafe:
+            dtype = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else torch.float32
+            logger.info("dtype auto -> %s: %s overflows in float16", _DTYPE_NAMES[dtype], architecture)
+            return dtype
         logger.info("dtype auto -> %s", platform.default_dtype_reason() or _DTYPE_NAMES[dtype])
         return dtype
     dtype = _DTYPE_ALIASES[requested]
     if dtype not in platform.supported_dtypes():
         raise ValueError(f"{platform.get_device_name()} does not support {_DTYPE_NAMES[dtype]} "
                          f"(compute capability {platform.get_device_capability()}); use --dtype float16.")
+    if dtype == torch.float16 and fp16_unsafe:
+        logger.warning("--dtype float16 with %s: its activations are known to overflow in float16 "
+                       "(inf/NaN outputs); prefer bfloat16 or float32.", architecture)
     return dtype
 
 

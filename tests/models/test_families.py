@@ -14,6 +14,8 @@ windows long; weights use a larger init std so near ties are rare.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -127,3 +129,51 @@ def test_engine_greedy_matches_transformers(family):
         compared += n
     # The near-tie escape must stay rare, or the test would prove nothing.
     assert compared >= 0.75 * MAX_TOKENS * len(prompts), f"{case}: only {compared} tokens compared"
+
+
+class _FakeGpu:
+    """A platform whose `auto` dtype is float16 (as a GPU of compute capability < 8.0)."""
+
+    def __init__(self, bf16: bool):
+        self.bf16 = bf16
+
+    def default_dtype(self):
+        return torch.float16
+
+    def default_dtype_reason(self):
+        return "float16 (fake GPU)"
+
+    def supported_dtypes(self):
+        return [torch.bfloat16, torch.float16, torch.float32] if self.bf16 else [torch.float16, torch.float32]
+
+    def get_device_name(self):
+        return "fake GPU"
+
+    def get_device_capability(self):
+        return (8, 0) if self.bf16 else (7, 0)
+
+
+def test_fp16_unsafe_models_avoid_auto_float16(caplog):
+    from tokenmill.config_resolve import _resolve_dtype
+
+    caplog.set_level(logging.INFO, logger="tokenmill.config_resolve")
+    assert _resolve_dtype("auto", _FakeGpu(bf16=True), "Gemma3ForCausalLM") == torch.bfloat16
+    assert _resolve_dtype("auto", _FakeGpu(bf16=False), "Gemma3ForCausalLM") == torch.float32
+    assert "overflows in float16" in caplog.text
+    # Models without the mark keep the device default.
+    assert _resolve_dtype("auto", _FakeGpu(bf16=False), "Qwen2ForCausalLM") == torch.float16
+    caplog.clear()
+    assert _resolve_dtype("float16", _FakeGpu(bf16=False), "Gemma3ForCausalLM") == torch.float16
+    assert any(r.levelname == "WARNING" and "overflow" in r.message for r in caplog.records)
+    caplog.clear()
+    _resolve_dtype("float16", _FakeGpu(bf16=False), "MistralForCausalLM")
+    assert not any(r.levelname == "WARNING" for r in caplog.records)
+
+
+def test_unsupported_architecture_lists_supported_ones():
+    from tokenmill.models.registry import resolve_model_cls
+
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM.*Qwen3MoeForCausalLM|Qwen3MoeForCausalLM") as e:
+        resolve_model_cls(["BertModel"])
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"):
+        assert arch in str(e.value)
