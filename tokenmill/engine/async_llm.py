@@ -76,7 +76,14 @@ class AsyncLLM:
             EngineStartupError: the core could not start (its reason as text).
         """
         engine_config = engine_args.create_engine_config(usage)
-        llm = cls(engine_config)
+        client = EngineCoreClient(engine_config)
+        # The core loads the model while this process loads the tokenizer.
+        client.launch()
+        try:
+            llm = cls(engine_config, client)
+        except BaseException:
+            client.shutdown()
+            raise
         await llm.start()
         return llm
 

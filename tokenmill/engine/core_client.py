@@ -79,8 +79,21 @@ class EngineCoreClient:
         """True while the core process runs and has not reported a fatal error."""
         return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
 
+    def launch(self) -> None:
+        """Spawn the core process and return at once (it loads the model meanwhile)."""
+        if self._proc is not None:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.engine_config, self.input_addr, self.output_addr, self.num_threads, self.core_class),
+            name="tokenmill-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+
     async def start(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Spawn the core and wait for READY.
+        """Spawn the core (unless `launch()` did) and wait for READY.
 
         Args:
             timeout_s: give up after this many seconds (None: wait as long as
@@ -93,14 +106,8 @@ class EngineCoreClient:
             EngineStartupError: the core sent STARTUP_ERROR (its text, e.g. a
                 config `ValueError`), died, or timed out.
         """
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.engine_config, self.input_addr, self.output_addr, self.num_threads, self.core_class),
-            name="tokenmill-engine-core",
-            daemon=True,
-        )
-        self._proc.start()
+        self.launch()
+        assert self._proc is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if await self._out.poll(_POLL_MS):
@@ -114,7 +121,8 @@ class EngineCoreClient:
             if not self._proc.is_alive():
                 code = self._proc.exitcode
                 self.shutdown()
-                raise EngineStartupError(f"The engine core process exited during start-up (exit code {code}); see the log above.")
+                raise EngineStartupError(f"The engine core process exited during start-up (exit code {code}); "
+                                         "see the log above.")
             if deadline is not None and time.monotonic() > deadline:
                 self.shutdown()
                 raise EngineStartupError(f"The engine core did not become ready within {timeout_s:.0f} s.")
