@@ -57,3 +57,43 @@ def test_every_smollm2_tensor_matches_transformers(smollm2_gguf, hf_smollm2):
     # 30 layers x 9 tensors + embedding + final norm; lm_head is tied (not in the file).
     assert len(seen) == 30 * 9 + 2
     assert "lm_head.weight" not in seen
+
+
+def test_fast_header_reader_matches_gguf_reader(tmp_path):
+    """read_gguf vs the gguf package's own reader on a small file with arrays, odd alignment and quantized data."""
+    import gguf
+
+    from tokenmill.model_loader.gguf_file import read_gguf
+
+    path = str(tmp_path / "t.gguf")
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("general.alignment", 64)
+    writer.add_string("general.name", "tiny")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "\u00e9t\u00e9"] * 50)
+    writer.add_array("tokenizer.ggml.scores", [0.5] * 7)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    f16 = rng.standard_normal((4, 6)).astype(np.float16)
+    q8_src = rng.standard_normal((2, 64)).astype(np.float32)
+    q8 = gguf.quants.quantize(q8_src, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("a.weight", f32)
+    writer.add_tensor("b.weight", f16)
+    writer.add_tensor("c.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, ref = read_gguf(path), gguf.GGUFReader(path)
+    assert ours.metadata["general.architecture"] == "llama" and ours.metadata["general.name"] == "tiny"
+    assert ours.metadata["general.alignment"] == 64 and ours.metadata["llama.rope.freq_base"] == 10000.0
+    assert "tokenizer.ggml.tokens" not in ours.metadata  # arrays are skipped
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+        assert mine.shape == tuple(int(d) for d in reversed(theirs.shape))
+        assert mine.ggml_type == theirs.tensor_type
+        np.testing.assert_array_equal(ours.tensor_data(mine), theirs.data)
+    np.testing.assert_array_equal(ours.tensor_data(ours.tensors[0]), f32)
+    deq = gguf.quants.dequantize(ours.tensor_data(ours.tensors[2]), gguf.GGMLQuantizationType.Q8_0)
+    assert deq.shape == (2, 64) and np.abs(deq - q8_src).max() < 0.05

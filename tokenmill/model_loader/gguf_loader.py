@@ -6,7 +6,8 @@ Q5_1, Q8_0, Q2_K..Q6_K, ...), reshaped (GGUF lists dims fastest-first, so
 the PyTorch shape is the reverse), renamed to the HF checkpoint name, and
 undone from the two layout changes llama.cpp's `convert_hf_to_gguf.py`
 makes: Q/K row permutation (llama arch) and Gemma's `norm + 1`.
-The `gguf` package is imported only here, only when a GGUF file is loaded.
+The header is read by `gguf_file.read_gguf` (fast; skips tokenizer arrays);
+the `gguf` package is imported only here, only when a GGUF file is loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from tokenmill.model_loader.gguf_file import read_gguf
 
 # GGUF block tensor base name -> HF name under `model.layers.N.`
 _BLOCK_NAMES: dict[str, str] = {
@@ -92,23 +95,27 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
     Raises:
         ValueError: a tensor name or quantization type is not supported.
     """
-    import gguf
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(gguf_file)
-    arch = _read_arch(reader)
+    gf = read_gguf(gguf_file)
+    arch = gf.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{gguf_file} has no general.architecture field.")
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
-    for tensor in reader.tensors:
+    for tensor in gf.tensors:
         hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             continue
+        qtype = GGMLQuantizationType(tensor.ggml_type)
         try:
-            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            w = dequantize(gf.tensor_data(tensor), qtype)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {tensor.tensor_type.name}, "
+            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
                              f"which the gguf package cannot dequantize: {e}") from e
         # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
-        w = np.array(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        w = np.array(w, dtype=np.float32).reshape(tensor.shape)
         if arch in _PERMUTED_QK_ARCHS:
             if ".attn_q." in tensor.name:
                 w = unpermute_qk(w, n_head)
@@ -118,9 +125,3 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
             w = w - 1.0
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
 
-
-def _read_arch(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("The GGUF file has no general.architecture field.")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
