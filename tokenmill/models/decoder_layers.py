@@ -22,13 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
+from tokenmill.distributed.pp_comm import IntermediateTensors
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.fused_moe import FusedMoE, load_expert_weight
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
-from tokenmill.models.utils import load_weights_with_mapping
+from tokenmill.models.utils import PPMissingLayer, load_weights_with_mapping, make_layers
 
 
 def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -147,19 +149,39 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """embed_tokens, `make_layer(config, i)` for each layer, final norm. [T] ids -> [T, H]."""
+    """embed_tokens, `make_layer(config, i)` for each layer, final norm. [T] ids -> [T, H].
+
+    Pipeline-parallel as `LlamaModel`: this stage builds layers
+    [start_layer, end_layer) only; the embedding lives on the first stage (and
+    the last when tied), the final norm on the last; a non-first stage takes
+    the previous stage's `IntermediateTensors`, a non-last stage returns its own.
+    """
 
     def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if is_first_pp_rank() or (tied and is_last_pp_rank()):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: make_layer(config, i))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if is_last_pp_rank() else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if is_first_pp_rank():
+            hidden_states, residual = self.embed(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a non-first pipeline stage needs the previous stage's tensors"
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not is_last_pp_rank():
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -185,19 +207,29 @@ class DecoderForCausalLM(nn.Module):
     # fp16 overflows in this family's activations: dtype "auto" avoids fp16 (config_resolve)
     fp16_unsafe = False
 
+    # forward takes `intermediate_tensors` (pipeline parallelism).
+    supports_pp = True
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.make_layer)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.model = self.make_model(config)
+        if is_last_pp_rank():
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+
+    def make_model(self, config: Any) -> nn.Module:
+        return DecoderModel(config, self.make_layer)
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -24,16 +24,15 @@ Gemma's activations overflow fp16, so the class is marked `fp16_unsafe`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.distributed.parallel_state import is_last_pp_rank
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import rope_parameters_from_config
-from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, load_decoder_weights
+from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, DecoderModel
 from tokenmill.models.llama import LlamaMLP
 
 
@@ -97,27 +96,21 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
-class Gemma3Model(nn.Module):
-    """Scaled embedding, decoder layers, final norm. forward(input_ids [T], positions [T]) -> [T, H]."""
+class Gemma3Model(DecoderModel):
+    """Scaled embedding, Gemma 3 layers, final Gemma norm (pipeline stages as `DecoderModel`)."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        super().__init__(config, Gemma3DecoderLayer)
+        if is_last_pp_rank():
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, gemma=True)
         # HF multiplies by a 0-dim tensor cast to the weight dtype: use that rounded value.
         self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, gemma=True)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3 decoder + LM head (tied to the embedding unless the config unties it).
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
@@ -125,24 +118,10 @@ class Gemma3ForCausalLM(nn.Module):
     `final_logit_softcapping` when set.
     """
 
-    packed_modules_mapping = DecoderForCausalLM.packed_modules_mapping
     fp16_unsafe = True
 
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.tie_weights(self.model.embed_tokens)
-        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def make_model(self, config: Any) -> nn.Module:
+        return Gemma3Model(config)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in; returns the parameter names loaded. Raises ValueError on unknown names/shapes."""
-        return load_decoder_weights(self, weights, self.packed_modules_mapping)
+        return self.lm_head.compute_logits(hidden_states, soft_cap=getattr(self.config, "final_logit_softcapping", None))

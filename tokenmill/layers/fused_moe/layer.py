@@ -155,10 +155,9 @@ def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch
     must sit at the checkpoint's `...experts` path.
 
     Returns:
-        The parameter name written, or None when `name` is not an expert weight.
-
-    Raises:
-        ValueError: an expert weight with no matching FusedMoE parameter.
+        The parameter name written, or None when `name` is not an expert
+        weight or the model has no such FusedMoE parameter (the caller then
+        skips it, for a layer on another pipeline stage, or reports it).
     """
     m = _PER_EXPERT_RE.match(name)
     if m:
@@ -173,7 +172,6 @@ def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch
     target = f"{prefix}.{'w2' if shard_id == 'w2' else 'w13'}_weight"
     param = params.get(target)
     if param is None:
-        raise ValueError(f"Checkpoint tensor {name!r} matches no expert parameter of the model "
-                         f"(is the checkpoint for another architecture?).")
+        return None  # not on this pipeline stage, or no such module: the caller's generic path decides
     param.weight_loader(param, tensor, shard_id, expert_id)
     return target
