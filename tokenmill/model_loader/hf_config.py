@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 from typing import Any
 
 from tokenmill.model_loader.source import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(source: ModelSource, revision: str | None = None, trust_remote_code: bool = False) -> Any:
@@ -17,7 +21,11 @@ def load_hf_config(source: ModelSource, revision: str | None = None, trust_remot
     (`AutoConfig.from_pretrained(dir, gguf_file=name)`; llama, qwen2, qwen3,
     mistral, gemma3, ... architectures); GGUF metadata has no
     `architectures`, so it is set from the model type's causal-LM class
-    (llama -> LlamaForCausalLM). `trust_remote_code` is accepted for
+    (llama -> LlamaForCausalLM). transformers parses every GGUF field,
+    tokenizer included (6 s for SmolLM2, far more under load), so a GGUF's
+    config is cached as JSON under `~/.cache/tokenmill/gguf_configs/`
+    (or `$TOKENMILL_CACHE_DIR`), keyed by the file's path, size, mtime and
+    the transformers version. `trust_remote_code` is accepted for
     vLLM compatibility but never runs remote code.
 
     Raises:
@@ -27,8 +35,11 @@ def load_hf_config(source: ModelSource, revision: str | None = None, trust_remot
 
     try:
         if source.gguf_file is not None:
-            folder, name = os.path.split(source.gguf_file)
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            config = _cached_gguf_config(source.gguf_file)
+            if config is None:
+                folder, name = os.path.split(source.gguf_file)
+                config = AutoConfig.from_pretrained(folder, gguf_file=name)
+                _store_gguf_config(source.gguf_file, config)
         else:
             config = AutoConfig.from_pretrained(source.path)
     except (OSError, ValueError, KeyError) as e:
@@ -53,3 +64,36 @@ def load_generation_config(source: ModelSource) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _gguf_config_cache_file(gguf_file: str) -> str:
+    import transformers
+
+    st = os.stat(gguf_file)
+    key = f"{os.path.abspath(gguf_file)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return os.path.join(root, "gguf_configs", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _cached_gguf_config(gguf_file: str) -> Any | None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = _gguf_config_cache_file(gguf_file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: rebuild from the GGUF
+
+
+def _store_gguf_config(gguf_file: str, config: Any) -> None:
+    path = _gguf_config_cache_file(gguf_file)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(config.to_dict(), f)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees all or nothing
+    except (OSError, TypeError, ValueError) as e:
+        logger.warning("Could not cache the GGUF config in %s: %s", path, e)
