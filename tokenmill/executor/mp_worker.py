@@ -61,3 +61,8 @@ def main(fd: int) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]))
+    # Skip interpreter teardown (process-group and thread-pool destructors take
+    # seconds); nothing is left to flush but the standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
