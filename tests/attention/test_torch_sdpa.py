@@ -145,3 +145,22 @@ def test_long_context_is_tiled():
     key_lens = [ev.input_shapes[1][-1] for ev in prof.events() if ev.name == "aten::bmm" and ev.input_shapes[1][-2] == 8]
     assert key_lens and max(key_lens) <= tile, key_lens
     assert math.isfinite(float(out.abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_matches_reference(dtype):
+    md, cache, key, value, fk, fv = _make_batch([0, 21, 40, 7, 300], [9, 13, 1, 1, 1], 16, 2, 64, 64, seed=9, pad_tokens=3)
+    query = torch.randn(key.shape[0], 8, 64)
+    ref = _reference(query, md, fk, fv, 0.125, 32, None)
+    dev = torch.device("cuda")
+    md_dev = AttentionMetadata(
+        md.num_actual_tokens, md.num_reqs, md.max_query_len, md.max_seq_len, md.query_start_loc.to(dev),
+        md.seq_lens.to(dev), md.block_table.to(dev), md.slot_mapping.to(dev), md.query_start_loc_cpu, md.seq_lens_cpu,
+    )
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for backend in (TorchSDPABackend(), TorchSDPABackend(kv_tile_size=16, decode_tile_budget=32)):
+        out = backend.forward(query.to(dev, dtype), key.to(dev, dtype), value.to(dev, dtype),
+                              cache.to(dev, dtype), md_dev, scale=0.125, sliding_window=32)
+        n = md.num_actual_tokens
+        torch.testing.assert_close(out[:n].double().cpu(), ref[:n], atol=tol, rtol=tol)

@@ -101,3 +101,25 @@ def test_kv_sizing_and_too_small_cache():
     assert r.determine_num_available_blocks() == 10
     with pytest.raises(ValueError, match="max-model-len 40"):
         r.initialize_kv_cache(10)  # 40 tokens < max_model_len 64
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+def test_cuda_runner_matches_cpu_and_profiles_memory(backend):
+    import torch
+
+    cpu_tokens, cpu_lps = _greedy_run([4, 5, 2], 4)
+    r = _runner(device="cuda", backend=backend)
+    assert r.attn_backend.name == backend
+    r.config.cache_config.num_gpu_blocks_override = None
+    assert r.determine_num_available_blocks() > 1000  # profiled: most of the GPU is free for this tiny model
+    blocks = list(range(10, 20))
+    out = r.execute_model(_step(new=[_new("a", PROMPT, blocks)], sched={"a": 11}))
+    tokens = [out.sampled_token_ids[0][0]]
+    computed = 11
+    for _ in range(4):
+        out = r.execute_model(_step(cached=[("a", [], computed)], sched={"a": 1}))
+        computed += 1
+        tokens.append(out.sampled_token_ids[0][0])
+    assert tokens == cpu_tokens
+    assert r.kv_caches[0].device.type == "cuda" and torch.cuda.is_available()
