@@ -37,6 +37,8 @@ class SamplingState:
         self.repetition = np.ones(r, np.float32)
         self.min_tokens = np.zeros(r, np.int64)
         self.num_logprobs = np.full(r, -1, np.int64)  # -1 = no logprobs
+        # Rows with a logit_bias / allowed_token_ids / stop ids under min_tokens: only these are visited per step.
+        self.has_sparse = np.zeros(r, bool)
         self.params: list[SamplingParams | None] = [None] * r
         self.generators: list[torch.Generator | None] = [None] * r
 
@@ -53,6 +55,9 @@ class SamplingState:
         self.repetition[row] = params.repetition_penalty
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.has_sparse[row] = bool(params.logit_bias) or params.allowed_token_ids is not None or (
+            params.min_tokens > 0 and bool(params.all_stop_token_ids)
+        )
         gen = None
         if params.seed is not None and not params.sampling_type_greedy:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -65,7 +70,7 @@ class SamplingState:
     def move(self, src: int, dst: int) -> None:
         """Copy row `src` onto row `dst` (batch compaction)."""
         for arr in (self.temperature, self.top_k, self.top_p, self.min_p, self.presence,
-                    self.frequency, self.repetition, self.min_tokens, self.num_logprobs):
+                    self.frequency, self.repetition, self.min_tokens, self.num_logprobs, self.has_sparse):
             arr[dst] = arr[src]
         self.params[dst] = self.params[src]
         self.generators[dst] = self.generators[src]
@@ -112,7 +117,8 @@ class SamplingState:
             md.presence_penalty, md.frequency_penalty, md.repetition_penalty = _to(pres, dev), _to(freq, dev), _to(rep, dev)
             md.output_token_counts = self._token_counts(token_ids[rows], num_prompt_tokens[rows], num_tokens[rows])
             md.prompt_token_mask = self._token_counts(token_ids[rows], np.zeros_like(num_out), num_prompt_tokens[rows]) > 0
-        self._add_masks(md, rows, num_out)
+        if self.has_sparse[rows].any():
+            self._add_masks(md, rows, num_out)
         num_lp = self.num_logprobs[rows]
         if (num_lp >= 0).any():
             md.max_num_logprobs = int(num_lp.max())
@@ -121,7 +127,8 @@ class SamplingState:
     def _add_masks(self, md: SamplingMetadata, rows: np.ndarray, num_out: np.ndarray) -> None:
         """logit_bias, allowed_token_ids and min_tokens: sparse, built only for rows that use them."""
         bias_rows, bias_ids, bias_vals, stop_rows, stop_ids, allowed = [], [], [], [], [], []
-        for i, r in enumerate(rows.tolist()):
+        for i in np.flatnonzero(self.has_sparse[rows]).tolist():
+            r = int(rows[i])
             p = self.params[r]
             assert p is not None
             if p.logit_bias:
