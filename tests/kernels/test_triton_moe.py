@@ -89,3 +89,53 @@ def test_triton_gpu_half_precision(dtype, num_tokens):
     assert out.dtype == dtype
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def _full_experts(num_experts=3, hidden=16, inter=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(num_experts, inter, hidden, generator=g)
+    w3 = torch.randn(num_experts, inter, hidden, generator=g)
+    w2 = torch.randn(num_experts, hidden, inter, generator=g)
+    return w1, w3, w2
+
+
+def _moe_on_rank(monkeypatch, rank, tp, num_experts=3, hidden=16, inter=8):
+    import tokenmill.layers.fused_moe.layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(moe_layer, "get_tensor_model_parallel_world_size", lambda: tp)
+    return moe_layer.FusedMoE(num_experts, 2, hidden, inter, renormalize=False, reduce_results=False)
+
+
+def test_expert_weights_shard_over_tp_and_partial_sums_add_up(monkeypatch):
+    from tokenmill.layers.fused_moe import load_expert_weight
+
+    w1, w3, w2 = _full_experts()
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
+    logits = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    full = _moe_on_rank(monkeypatch, 0, 1)
+    params = {f"moe.experts.{n}": p for n, p in full.named_parameters()}
+    for e in range(3):  # Mixtral names
+        for name, w in (("w1", w1[e]), ("w3", w3[e]), ("w2", w2[e])):
+            assert load_expert_weight(params, f"moe.experts.{e}.{name}.weight", w) is not None
+    ref = full(x, logits)
+    partial = torch.zeros_like(ref)
+    for rank in range(2):
+        moe = _moe_on_rank(monkeypatch, rank, 2)
+        params = {f"mlp.experts.{n}": p for n, p in moe.named_parameters()}
+        # GGUF-style stacked tensors [E, I, H] / [E, H, I]
+        load_expert_weight(params, "mlp.experts.gate_proj.weight", w1)
+        load_expert_weight(params, "mlp.experts.up_proj.weight", w3)
+        load_expert_weight(params, "mlp.experts.down_proj.weight", w2)
+        torch.testing.assert_close(moe.w13_weight[:, :4], w1[:, rank * 4:(rank + 1) * 4])
+        torch.testing.assert_close(moe.w13_weight[:, 4:], w3[:, rank * 4:(rank + 1) * 4])
+        torch.testing.assert_close(moe.w2_weight, w2[:, :, rank * 4:(rank + 1) * 4])
+        # HF 5 stacked gate_up [E, 2I, H] loads the same slices
+        other = _moe_on_rank(monkeypatch, rank, 2)
+        other_params = {f"e.experts.{n}": p for n, p in other.named_parameters()}
+        load_expert_weight(other_params, "e.experts.gate_up_proj", torch.cat([w1, w3], dim=1))
+        torch.testing.assert_close(other.w13_weight, moe.w13_weight)
+        partial += moe(x, logits)
+    # Column/row split of each expert's MLP: the per-rank outputs are partial sums of the full one.
+    torch.testing.assert_close(partial, ref, rtol=1e-5, atol=1e-5)
+    assert load_expert_weight(params, "mlp.gate.weight", torch.zeros(3, 16)) is None

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tokenmill.model_loader.gguf_dequant import FAST_TYPES, torch_dequantize
 from tokenmill.model_loader.gguf_file import read_gguf
 
 # GGUF block tensor base name -> HF name under `model.layers.N.`
@@ -35,6 +36,10 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
+    # MoE experts stacked over the expert dim, [E, I, H] / [E, H, I] (qwen2moe/qwen3moe GGUFs)
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Per GGUF architecture overrides of _BLOCK_NAMES (Gemma has four norms per block).
 _ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
@@ -75,7 +80,7 @@ def gguf_to_hf_name(name: str, arch: str) -> str | None:
     raise ValueError(f"GGUF tensor {name!r} ({arch} architecture) has no known HF name; this GGUF is not supported.")
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
     """Invert llama.cpp's Q/K permutation of `w` [n_head * head_dim, ...].
 
     llama.cpp regroups each head's rows from rotate-half order to
@@ -109,13 +114,16 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
         if hf_name is None:
             continue
         qtype = GGMLQuantizationType(tensor.ggml_type)
-        try:
-            w = dequantize(gf.tensor_data(tensor), qtype)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
-                             f"which the gguf package cannot dequantize: {e}") from e
-        # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
-        w = np.array(w, dtype=np.float32).reshape(tensor.shape)
+        w = torch_dequantize(gf.tensor_data(tensor), qtype.name) if qtype.name in FAST_TYPES else None
+        if w is None:
+            try:
+                deq = dequantize(gf.tensor_data(tensor), qtype)
+            except NotImplementedError as e:
+                raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
+                                 f"which the gguf package cannot dequantize: {e}") from e
+            # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
+            w = torch.from_numpy(np.array(deq, dtype=np.float32))
+        w = w.reshape(tensor.shape)
         if arch in _PERMUTED_QK_ARCHS:
             if ".attn_q." in tensor.name:
                 w = unpermute_qk(w, n_head)
@@ -123,5 +131,5 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
                 w = unpermute_qk(w, n_kv_head)
         if arch in _NORM_PLUS_ONE_ARCHS and "norm.weight" in tensor.name:
             w = w - 1.0
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+        yield hf_name, w.contiguous()
 

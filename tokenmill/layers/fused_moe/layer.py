@@ -93,9 +93,9 @@ class FusedMoE(nn.Module):
         Args:
             param: `w13_weight` or `w2_weight`.
             loaded_weight: one expert's `[I, H]` (w1 gate / w3 up) or `[H, I]`
-                (w2 down) with `expert_id`; or all experts' stacked tensor
-                (HF 5's `experts.gate_up_proj [E, 2I, H]` with shard_id "w13",
-                `experts.down_proj [E, H, I]` with "w2") with expert_id None.
+                (w2 down) with `expert_id`; or all experts stacked (`[E, I, H]`,
+                `[E, H, I]`, or HF 5's `gate_up_proj [E, 2I, H]` with shard_id
+                "w13") with expert_id None.
             shard_id: "w1", "w3", "w2" or "w13".
 
         Raises:
@@ -143,15 +143,16 @@ class FusedMoE(nn.Module):
 # Checkpoint projection name -> FusedMoE shard id: Mixtral's w1/w2/w3 and Qwen-MoE's gate/up/down.
 _EXPERT_SHARDS = {"w1": "w1", "w3": "w3", "w2": "w2", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _PER_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_STACKED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 
 
 def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
     """Load `name` into a FusedMoE parameter if it is an expert weight; else return None.
 
     Accepts per-expert names (`...experts.3.gate_proj.weight`,
-    `...experts.3.w1.weight`) and transformers 5's stacked ones
-    (`...experts.gate_up_proj`, `...experts.down_proj`). The FusedMoE module
+    `...experts.3.w1.weight`), transformers 5's stacked ones
+    (`...experts.gate_up_proj [E, 2I, H]`, `...experts.down_proj [E, H, I]`)
+    and GGUF's stacked ones (`...experts.gate_proj.weight [E, I, H]`, ...). The FusedMoE module
     must sit at the checkpoint's `...experts` path.
 
     Returns:
@@ -168,7 +169,7 @@ def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch
         if not m:
             return None
         prefix, proj = m.groups()
-        shard_id, expert_id = ("w13" if proj == "gate_up_proj" else "w2"), None
+        shard_id, expert_id = ("w13" if proj == "gate_up_proj" else _EXPERT_SHARDS[proj]), None
     target = f"{prefix}.{'w2' if shard_id == 'w2' else 'w13'}_weight"
     param = params.get(target)
     if param is None:
