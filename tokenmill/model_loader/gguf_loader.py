@@ -18,7 +18,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from tokenmill.model_loader.gguf_dequant import FAST_TYPES, torch_dequantize
 from tokenmill.model_loader.gguf_file import read_gguf
 
 # GGUF block tensor base name -> HF name under `model.layers.N.`
@@ -80,7 +79,7 @@ def gguf_to_hf_name(name: str, arch: str) -> str | None:
     raise ValueError(f"GGUF tensor {name!r} ({arch} architecture) has no known HF name; this GGUF is not supported.")
 
 
-def unpermute_qk(w: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's Q/K permutation of `w` [n_head * head_dim, ...].
 
     llama.cpp regroups each head's rows from rotate-half order to
@@ -114,16 +113,13 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
         if hf_name is None:
             continue
         qtype = GGMLQuantizationType(tensor.ggml_type)
-        w = torch_dequantize(gf.tensor_data(tensor), qtype.name) if qtype.name in FAST_TYPES else None
-        if w is None:
-            try:
-                deq = dequantize(gf.tensor_data(tensor), qtype)
-            except NotImplementedError as e:
-                raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
-                                 f"which the gguf package cannot dequantize: {e}") from e
-            # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
-            w = torch.from_numpy(np.array(deq, dtype=np.float32))
-        w = w.reshape(tensor.shape)
+        try:
+            w = dequantize(gf.tensor_data(tensor), qtype)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
+                             f"which the gguf package cannot dequantize: {e}") from e
+        # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
+        w = np.array(w, dtype=np.float32).reshape(tensor.shape)
         if arch in _PERMUTED_QK_ARCHS:
             if ".attn_q." in tensor.name:
                 w = unpermute_qk(w, n_head)
@@ -131,5 +127,5 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
                 w = unpermute_qk(w, n_kv_head)
         if arch in _NORM_PLUS_ONE_ARCHS and "norm.weight" in tensor.name:
             w = w - 1.0
-        yield hf_name, w.contiguous()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
 
