@@ -84,12 +84,16 @@ def check_attention(dtype, head_dim, block_size, window, cap, num_stages):
                              dtype=dtype, device="cuda", num_padding_tokens=5, generator=gen)
     batch_8to1 = make_paged_batch(ctx, q, num_heads=64, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
                                   dtype=dtype, device="cuda", num_padding_tokens=0, generator=gen)
+    # decode-only: takes the split-KV path (few requests, long contexts)
+    decodes = make_paged_batch([0, 5, 700, 4000, 8191], [1] * 5, num_heads=32, num_kv_heads=8, head_dim=head_dim,
+                               block_size=block_size, dtype=dtype, device="cuda", num_padding_tokens=3, generator=gen)
     worst = 0.0
-    for b in (batch, batch_8to1):
+    for b in (batch, batch_8to1, decodes):
         kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
         out = torch.full_like(b.query, float("nan"))
+        max_seq_len = max(c + n for c, n in zip(b.context_lens, b.query_lens, strict=True))
         paged_attention(b.query, b.kv_cache, b.block_table, b.seq_lens, b.query_start_loc, num_reqs=b.num_reqs,
-                        max_query_len=b.max_query_len, out=out, num_stages=num_stages, **kw)
+                        max_query_len=b.max_query_len, max_seq_len=max_seq_len, out=out, num_stages=num_stages, **kw)
         torch.cuda.synchronize()
         if torch.isnan(out).any():
             raise AssertionError("NaN in output: an element was not written (or overflowed)")
@@ -212,7 +216,7 @@ def decode_inputs(num_reqs, ctx, h, kvh, d, bs, dtype):
     return q, cache, table, seq_lens, qsl
 
 
-def time_decode(num_reqs, ctx, dtype, num_stages, label):
+def time_decode(num_reqs, ctx, dtype, num_stages, label, num_splits=None):
     import triton
 
     from tokenmill.attention.ops.triton_paged_attention import paged_attention
@@ -223,14 +227,14 @@ def time_decode(num_reqs, ctx, dtype, num_stages, label):
 
     def fn():
         paged_attention(q, cache, table, seq_lens, qsl, num_reqs=num_reqs, max_query_len=1, scale=d**-0.5,
-                        out=out, num_stages=num_stages)
+                        out=out, num_stages=num_stages, max_seq_len=ctx + 1, num_splits=num_splits)
 
     ms = triton.testing.do_bench(fn, warmup=50, rep=200)
     kv_bytes = num_reqs * (ctx + 1) * kvh * d * 2 * q.element_size()
     gbps = kv_bytes / (ms * 1e-3) / 1e9
     record(Row("decode", label, "ok", ms, "ms", f"{gbps:.0f} GB/s KV read ({100 * gbps / PEAK_HBM_GBPS:.0f}% of 4.8 TB/s)"))
     # yardstick: torch SDPA (flash/cudnn/mem-efficient as torch picks) on contiguous K/V, same bytes
-    if num_stages == 2:
+    if num_stages == 2 and num_splits is None:
         kk = torch.randn(num_reqs, kvh, ctx + 1, d, dtype=dtype, device="cuda")
         vv = torch.randn_like(kk)
         qq = q.view(num_reqs, h, 1, d)
@@ -294,6 +298,10 @@ def run_timings() -> None:
         for dtype, stages, tag in ((torch.bfloat16, 2, "bf16"), (torch.float16, 1, "fp16 cc70-settings")):
             label = f"{num_reqs} reqs x ctx 1024, 32q/8kv d128, {tag}"
             guarded("decode", label, lambda n=num_reqs, dt=dtype, s=stages, lb=label: time_decode(n, 1024, dt, s, lb))
+    for num_reqs in (1, 8):  # latency-bound: split-KV vs none
+        for splits, tag in ((None, "bf16 split-KV auto"), (1, "bf16 no split")):
+            label = f"{num_reqs} reqs x ctx 8192, 32q/8kv d128, {tag}"
+            guarded("decode", label, lambda n=num_reqs, s=splits, lb=label: time_decode(n, 8192, torch.bfloat16, 2, lb, s))
     for chunk, ctx in ((2048, 0), (512, 3584)):
         for dtype, stages, tag in ((torch.bfloat16, 2, "bf16"), (torch.float16, 1, "fp16 cc70-settings")):
             label = f"chunk {chunk} after ctx {ctx}, 32q/8kv d128, {tag}"

@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, paged_attention_kernel
     from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache_kernel
+    from tokenmill.attention.ops.triton_merge_splits import merge_splits_kernel
     from tokenmill.platforms.cuda_rules import triton_launch_settings
 
     def sig_of(kernel, pointers, floats, constexprs):
@@ -47,16 +48,23 @@ SCRIPT = textwrap.dedent(
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
             results.append(dict(kernel="kv_write", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
-        # Attention, fp16: decode tiles and prefill tiles, head_dim 128 and 256, window + softcap on.
-        # sm_70: decode tiles at head_dim 128 and the largest prefill tiles (head_dim 256);
-        # sm_90: prefill tiles at head_dim 128. (Each sm_70 compile takes seconds: FMA dots unroll.)
-        shapes = ((1, 128), (512, 256)) if cc == 70 else ((512, 128),)
-        for max_q, head_dim in shapes:
+            cx = dict(SPLITS_PAD=4, HEAD_DIM_PAD=128)
+            ptrs = {"out_ptr": "*fp16", "partial_ptr": "*fp32", "lse_ptr": "*fp32"}
+            src = triton.compiler.ASTSource(fn=merge_splits_kernel, signature=sig_of(merge_splits_kernel, ptrs, (), cx), constexprs=cx)
+            k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+            results.append(dict(kernel="merge_splits", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+        # Attention, fp16, window + softcap on. sm_70: decode tiles at head_dim 128 on the
+        # split-KV path, and the largest prefill tiles (head_dim 256); sm_90: prefill tiles
+        # at head_dim 128. (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
+        shapes = ((1, 128, 4), (512, 256, 1)) if cc == 70 else ((512, 128, 1),)
+        for max_q, head_dim, splits in shapes:
             cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
             cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC="tf32")
-            ptrs = {"out_ptr": "*fp16", "q_ptr": "*fp16", "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32",
-                    "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC="tf32",
+                      NUM_SPLITS=splits, SPLIT_KV=splits > 1)
+            ptrs = {"out_ptr": "*fp32" if splits > 1 else "*fp16", "lse_ptr": "*fp32", "q_ptr": "*fp16",
+                    "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
             src = triton.compiler.ASTSource(fn=paged_attention_kernel,
                                             signature=sig_of(paged_attention_kernel, ptrs, ("scale", "softcap"), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
@@ -76,7 +84,7 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [(r["kernel"], r["cc"]) for r in results] == [
-        ("kv_write", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
+        ("kv_write", 70), ("merge_splits", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
     ]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"

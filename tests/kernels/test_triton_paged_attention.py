@@ -12,7 +12,7 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, paged_attention
+from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, choose_num_splits, paged_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -28,6 +28,7 @@ def _run(batch, *, poison=True, **kwargs):
         batch.query_start_loc,
         num_reqs=batch.num_reqs,
         max_query_len=batch.max_query_len,
+        max_seq_len=max(c + q for c, q in zip(batch.context_lens, batch.query_lens, strict=True)),
         out=out,
         **kwargs,
     )
@@ -94,6 +95,19 @@ def test_edge_lengths_and_tile_shapes():
         _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv_matches_reference(num_splits):
+    """Flash-decoding path: splits past the end of short ranges are empty and
+    must not disturb the merge; padding rows still come out 0."""
+    gen = torch.Generator().manual_seed(10 + num_splits)
+    ctx = [0, 3, 40, 150, 90]
+    q = [1, 1, 1, 1, 2]
+    batch = make_paged_batch(ctx, q, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32, device=DEVICE, num_padding_tokens=2, generator=gen)
+    for kw in (dict(scale=0.3), dict(scale=0.3, sliding_window=50, logits_soft_cap=3.0)):
+        _check(batch, _run(batch, num_splits=num_splits, block_n=16, **kw), atol=2e-5, **kw)
+
+
 def test_decode_only_batch_uses_small_tiles():
     gen = torch.Generator().manual_seed(2)
     ctx = [0, 1, 17, 40, 63]
@@ -130,6 +144,20 @@ def test_rejects_bad_head_ratio():
                              dtype=torch.float32, generator=gen)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         _run(batch, scale=1.0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_long_decodes_split_kv(dtype):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs cc >= 8.0")
+    gen = torch.Generator().manual_seed(5)
+    ctx = [0, 5, 700, 4000, 8191]
+    batch = make_paged_batch(ctx, [1] * 5, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                             dtype=dtype, device="cuda", num_padding_tokens=3, generator=gen)
+    assert choose_num_splits(batch.query.device, 1, 5, 8, 8192) > 1
+    kw = dict(scale=128**-0.5)
+    _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

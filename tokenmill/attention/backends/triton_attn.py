@@ -2,7 +2,8 @@
 
 `forward` launches two kernels on the current stream and nothing else: the
 KV write (`triton_reshape_and_cache`) then the varlen paged attention
-(`triton_paged_attention`). Grid sizes come from host ints already in the
+(`triton_paged_attention`; plus a split-merge kernel for small decode
+batches). Grid sizes come from host ints already in the
 metadata (num_reqs, max_query_len) and tensor shapes, never from `.item()`,
 and the only allocation is the output (shape fixed by num_tokens), so decode
 steps can be captured in CUDA graphs at padded batch sizes.
@@ -73,6 +74,7 @@ class TritonAttentionBackend:
             md.query_start_loc,
             num_reqs=md.num_reqs,
             max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
             scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,

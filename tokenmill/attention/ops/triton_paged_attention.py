@@ -40,16 +40,20 @@ base 2 (exp2 with log2(e) folded into the scale).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.ops.triton_merge_splits import merge_splits
+
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "sliding_window"])
 def paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]; SPLIT_KV: fp32 [num_splits, num_tokens, num_heads, head_dim]
+    lse_ptr,  # SPLIT_KV only: fp32 [num_splits, num_tokens, num_heads], log2-sum-exp2 of each split
     q_ptr,  # [num_tokens, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
@@ -62,8 +66,11 @@ def paged_attention_kernel(
     num_tokens,
     stride_q_tok,
     stride_q_head,
+    stride_o_split,
     stride_o_tok,
     stride_o_head,
+    stride_lse_split,
+    stride_lse_tok,
     stride_c_kv,
     stride_c_block,
     stride_c_slot,
@@ -80,9 +87,12 @@ def paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    NUM_SPLITS: tl.constexpr,  # KV range split over grid axis 2 (flash-decoding); 1 = off
+    SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     LOG2E: tl.constexpr = 1.4426950408889634
 
     # Largest request index r in [0, num_reqs] whose first query block <= pid;
@@ -128,7 +138,15 @@ def paged_attention_kernel(
     kv_begin = kv_end * 0
     if USE_WINDOW:
         kv_begin = tl.maximum(ctx_len + q0 - sliding_window + 1, 0)
-    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    kv_begin = tl.minimum((kv_begin // BLOCK_N) * BLOCK_N, kv_end)  # idle blocks: empty range
+    loop_begin = kv_begin
+    loop_end = kv_end
+    if SPLIT_KV:
+        # Split s takes tiles [s * per, (s + 1) * per) of the block's range; a
+        # split past the end gets an empty loop and writes l = 0 (lse = -inf).
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS)
+        loop_begin = kv_begin + split * tiles_per_split * BLOCK_N
+        loop_end = tl.minimum(loop_begin + tiles_per_split * BLOCK_N, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -136,7 +154,7 @@ def paged_attention_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
     head_off = kv_head.to(tl.int64) * stride_c_head
 
-    for start_n in range(kv_begin, kv_end, BLOCK_N):
+    for start_n in range(loop_begin, loop_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
@@ -177,13 +195,14 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    # Rows with no visible key (only padding rows) have l == 0 -> output 0.
+    # Rows with no visible key (padding rows, empty splits) have l == 0 -> output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + tok_global[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
-    )
+    row_off = split * stride_o_split + tok_global * stride_o_tok + head * stride_o_head
+    tl.store(out_ptr + row_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if SPLIT_KV:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        lse_off = split * stride_lse_split + tok_global * stride_lse_tok + head
+        tl.store(lse_ptr + lse_off, lse, mask=row_valid)
 
 
 @dataclass(slots=True, frozen=True)
@@ -210,6 +229,7 @@ def choose_launch_config(
     num_stages: int = 2,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> AttentionLaunchConfig:
     """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
 
@@ -228,7 +248,8 @@ def choose_launch_config(
         block_n = 64 if head_dim_pad <= 128 else 32
         if num_stages == 1 and head_dim_pad >= 256 and block_m >= 64:
             block_n = 16  # sm_7x (unpipelined): stay well under V100's 96 KiB shared memory
-    num_warps = 8 if (block_m >= 64 and head_dim_pad >= 256) else 4
+    if num_warps is None:
+        num_warps = 8 if (block_m >= 64 and head_dim_pad >= 256) else 4
     return AttentionLaunchConfig(
         block_q=block_m // qpk_pad,
         qpk_pad=qpk_pad,
@@ -255,6 +276,9 @@ def paged_attention(
     num_stages: int = 2,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -274,7 +298,11 @@ def paged_attention(
             (Gemma 2, arXiv:2408.00118).
         out: optional [num_tokens, num_heads, head_dim] output buffer.
         num_stages: software-pipelining depth (use 1 on compute capability 7.x).
-        block_m, block_n: tile overrides (tests).
+        block_m, block_n, num_warps: overrides of `choose_launch_config` (tests, tuning).
+        max_seq_len: host int, the longest seq_len (caps the split count).
+        num_splits: split each KV range over this many programs and merge
+            (flash-decoding); default from `choose_num_splits`. Any value is
+            correct for any data, so a CUDA graph may keep the captured one.
 
     Returns:
         out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
@@ -295,11 +323,25 @@ def paged_attention(
         return out
     qpk = num_heads // num_kv_heads
     cfg = choose_launch_config(
-        max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n
+        max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps
     )
-    grid = (num_tokens // cfg.block_q + num_reqs + 1, num_kv_heads)
+    if num_splits is None:
+        num_splits = choose_num_splits(query.device, max_query_len, num_reqs, num_kv_heads, max_seq_len)
+    split_kv = num_splits > 1
+    if split_kv:
+        partial = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+        lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+        dst = partial
+        dst_split_stride, dst_tok_stride, dst_head_stride = partial.stride(0), partial.stride(1), partial.stride(2)
+        lse_split_stride, lse_tok_stride = lse.stride(0), lse.stride(1)
+    else:
+        dst, lse = out, out  # lse_ptr unused when SPLIT_KV is off
+        dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
+        lse_split_stride, lse_tok_stride = 0, 0
+    grid = (num_tokens // cfg.block_q + num_reqs + 1, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
-        out,
+        dst,
+        lse,
         query,
         kv_cache,
         block_table,
@@ -312,8 +354,11 @@ def paged_attention(
         num_tokens,
         query.stride(0),
         query.stride(1),
-        out.stride(0),
-        out.stride(1),
+        dst_split_stride,
+        dst_tok_stride,
+        dst_head_stride,
+        lse_split_stride,
+        lse_tok_stride,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
@@ -330,7 +375,34 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None and sliding_window > 0,
         USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits,
+        SPLIT_KV=split_kv,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if split_kv:
+        merge_splits(partial, lse, out)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    device: torch.device, max_query_len: int, num_reqs: int, num_kv_heads: int, max_seq_len: int | None
+) -> int:
+    """How many pieces to split each KV range into (1 = no split).
+
+    Only decode steps (max_query_len <= 4) on a GPU split, and only when the
+    (request, kv head) programs cannot give every SM two of them; each split
+    should still stream >= 256 positions. E.g. H200 (132 SMs), 8 kv heads:
+    1 request at 8k context -> 16 splits; 64 requests -> 1.
+    """
+    if device.type != "cuda" or max_query_len > 4 or not max_seq_len:
+        return 1
+    programs = max(1, num_reqs * num_kv_heads)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    want = -(-2 * _num_sms(index) // programs)  # ceil
+    return max(1, min(16, want, max_seq_len // 256))

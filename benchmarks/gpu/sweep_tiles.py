@@ -1,0 +1,68 @@
+"""Sweep the paged-attention tile sizes on the GPU (decode and prefill shapes).
+
+    python benchmarks/gpu/sweep_tiles.py
+
+Prints, per shape, every (block_m, block_n, num_warps, num_stages) tried with
+its median time, best first, so `choose_launch_config` defaults can be set
+from measurements. Llama-3.1-8B attention shapes (32 q / 8 kv heads, d 128).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from tokenmill.attention.ops.triton_paged_attention import paged_attention  # noqa: E402
+
+
+def inputs(query_lens, ctx, h=32, kvh=8, d=128, bs=16, dtype=torch.bfloat16):
+    num_reqs = len(query_lens)
+    seq = [ctx + q for q in query_lens]
+    per = max(math.ceil(s / bs) for s in seq)
+    nb = num_reqs * per
+    cache = torch.randn(2, nb, bs, kvh, d, dtype=dtype, device="cuda")
+    table = torch.randperm(nb, device="cuda").view(num_reqs, per).int()
+    q = torch.randn(sum(query_lens), h, d, dtype=dtype, device="cuda")
+    qsl = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(seq, dtype=torch.int32, device="cuda")
+    return q, cache, table, seq_lens, qsl
+
+
+def sweep(name, query_lens, ctx, grid):
+    q, cache, table, seq_lens, qsl = inputs(query_lens, ctx)
+    out = torch.empty_like(q)
+    results = []
+    for bm, bn, nw, ns in grid:
+        def fn(bm=bm, bn=bn, nw=nw, ns=ns):
+            paged_attention(q, cache, table, seq_lens, qsl, num_reqs=len(query_lens), max_query_len=max(query_lens),
+                            scale=0.088, out=out, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        try:
+            results.append((triton.testing.do_bench(fn, warmup=10, rep=50), bm, bn, nw, ns))
+        except Exception as e:  # noqa: BLE001 - out of resources etc.
+            print(f"  {name} bm{bm} bn{bn} w{nw} s{ns}: {type(e).__name__}", flush=True)
+    results.sort()
+    print(f"== {name}", flush=True)
+    for ms, bm, bn, nw, ns in results[:8]:
+        print(f"  {ms * 1000:8.1f} us  block_m {bm:3d} block_n {bn:3d} warps {nw} stages {ns}", flush=True)
+    return results
+
+
+def main() -> None:
+    decode_grid = list(itertools.product([16], [32, 64, 128], [2, 4, 8], [1, 2, 3]))
+    prefill_grid = list(itertools.product([64, 128], [32, 64, 128], [4, 8], [1, 2, 3]))
+    sweep("decode 64 x ctx 1024", [1] * 64, 1024, decode_grid)
+    sweep("decode 256 x ctx 1024", [1] * 256, 1024, decode_grid)
+    sweep("prefill 2048 ctx 0", [2048], 0, prefill_grid)
+    sweep("prefill 512 ctx 3584", [512], 3584, prefill_grid)
+    sweep("mixed 4x512 prefill + 128 decodes ctx 1024", [512] * 4 + [1] * 128, 1024, prefill_grid)
+
+
+if __name__ == "__main__":
+    main()
