@@ -41,3 +41,16 @@ def test_conflicting_model_arguments_exit_2(capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "serve" in capsys.readouterr().out
+
+
+def test_engine_startup_error_is_printed_and_exits_1(monkeypatch, capsys):
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.engine.core_client import EngineStartupError
+
+    async def failing(cls, engine_args, usage="server"):
+        assert usage == "server" and engine_args.model == "m.gguf"
+        raise EngineStartupError("max_model_len 8192 needs 512 KV blocks but only 20 fit; use at most 320.")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(failing))
+    assert main(["serve", "m.gguf"]) == 1
+    assert "use at most 320" in capsys.readouterr().err
