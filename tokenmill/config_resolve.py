@@ -65,6 +65,10 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     hf_config = load_hf_config(source, args.revision, args.trust_remote_code)
     architecture = _resolve_architecture(hf_config)
     platform = current_platform(args.device)
+    if platform.device_type == "cuda":  # fail now, not with "no kernel image is available" later
+        from tokenmill.platforms.cuda_rules import check_visible_gpus
+
+        check_visible_gpus()
     dtype = _resolve_dtype(args.dtype, platform, architecture)
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
     _verify_parallel(args, hf_config, platform)

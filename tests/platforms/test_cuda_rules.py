@@ -110,3 +110,29 @@ def test_cc70_settings_disable_flash_sdp():
         assert torch.backends.cuda.mem_efficient_sdp_enabled() == before[1]
     finally:
         torch.backends.cuda.enable_flash_sdp(before[0])
+
+
+def _fake_cuda(monkeypatch, name, cap, archs):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: archs)
+
+
+def test_startup_check_on_a_fake_v100(monkeypatch):
+    _fake_cuda(monkeypatch, "Tesla V100-PCIE-16GB", (7, 0), CU128_ARCHS)
+    with pytest.raises(ValueError, match="Tesla V100-PCIE-16GB.*cu126"):
+        cr.check_visible_gpus()
+    _fake_cuda(monkeypatch, "Tesla V100-PCIE-16GB", (7, 0), CU126_ARCHS)
+    cr.check_visible_gpus()
+
+
+def test_prepare_device_under_simulation(monkeypatch):
+    _fake_cuda(monkeypatch, "NVIDIA H200", (9, 0), CU128_ARCHS)
+    monkeypatch.setenv(cr.FORCE_CC70_ENV, "1")
+    before = torch.backends.cuda.flash_sdp_enabled()
+    try:
+        assert cr.prepare_cuda_device(0) == (7, 0)
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(before)

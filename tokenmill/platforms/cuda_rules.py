@@ -247,3 +247,31 @@ def current_device_facts(device_index: int = 0, force_cc70: bool = False) -> tup
     real = tuple(torch.cuda.get_device_capability(device_index))
     eff = effective_capability(real, force_cc70)
     return describe_device(name, eff, forced=force_cc70 and eff != real), real, eff
+
+
+def check_visible_gpus() -> None:
+    """Start-up check (config resolution): every visible GPU has kernels in the installed torch.
+
+    Raises:
+        ValueError: see `check_torch_arch_support`.
+    """
+    arch_list = torch.cuda.get_arch_list()
+    for i in range(torch.cuda.device_count()):
+        real = tuple(torch.cuda.get_device_capability(i))
+        check_torch_arch_support(real, describe_device(torch.cuda.get_device_name(i), real), arch_list)
+
+
+def prepare_cuda_device(device_index: int, force_cc70: bool = False) -> tuple[int, int]:
+    """Per-process device set-up (each worker, after torch.cuda.set_device):
+    check torch's kernels, restrict SDPA on cc < 8.0 (real or simulated).
+
+    Returns:
+        The effective capability the worker should plan for.
+
+    Raises:
+        ValueError: see `check_torch_arch_support`.
+    """
+    name, real, eff = current_device_facts(device_index, force_cc70_requested(force_cc70))
+    check_torch_arch_support(real, name, torch.cuda.get_arch_list())
+    apply_cc70_settings(eff)
+    return eff
