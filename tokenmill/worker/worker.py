@@ -48,6 +48,9 @@ class Worker:
         if dc.device == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+            from tokenmill.platforms.cuda_rules import prepare_cuda_device
+
+            prepare_cuda_device(self.local_rank, dc.force_cc70)  # torch arch check; SDPA limits on cc < 8.0
         else:
             self.device = torch.device("cpu")
             threads = os.environ.get("TOKENMILL_CPU_THREADS")
