@@ -186,3 +186,13 @@ def test_engine_death_mid_stream_sends_an_error_event_then_done(call):
     assert last["error"]["code"] == 503 and "core process exited" in last["error"]["message"]
     status, raw = call("POST", "/v1/completions", {"prompt": "die", "max_tokens": 4})
     _assert_error(status, raw, 503)
+
+
+def test_echo_prepends_the_prompt_text_or_decoded_ids(call):
+    status, raw = call("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2, "echo": True})
+    assert status == 200 and _json(raw)["choices"][0]["text"] == "ab" + fake_completion_text(2)
+    status, raw = call("POST", "/v1/completions", {"prompt": [100, 101], "max_tokens": 1, "echo": True})
+    assert status == 200 and _json(raw)["choices"][0]["text"] == " w0 w1" + fake_completion_text(1)
+    status, raw = call("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2, "echo": True, "stream": True})
+    chunks = [json.loads(e) for e in _sse_events(raw)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ab" + fake_completion_text(2)

@@ -116,8 +116,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}
 
     def _prompt_text(self, sub: Submission, prompt_index: int) -> str:
+        """The prompt as text for `echo` (token-id prompts are decoded)."""
         text = sub.prompt_texts.get(prompt_index)
-        return text if text is not None else ""
+        if text is None:
+            ids = sub.prompt_token_ids.get(prompt_index, [])
+            tok = self.engine.tokenizer
+            text = tok.decode(ids) if tok is not None and ids else ""
+        return text
 
     def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], text_offset: int,
                   num_top: int) -> CompletionLogprobs:

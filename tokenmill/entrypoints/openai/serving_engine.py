@@ -61,11 +61,14 @@ class Submission:
     prompt_lens: dict[int, int] = field(default_factory=dict)
     # prompt index -> prompt text (for echo), when known
     prompt_texts: dict[int, str | None] = field(default_factory=dict)
+    # prompt index -> prompt token ids
+    prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
         """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
         p_idx = self.prompt_index[out.request_id]
         self.prompt_lens[p_idx] = len(out.prompt_token_ids)
+        self.prompt_token_ids[p_idx] = out.prompt_token_ids
         if out.prompt is not None:
             self.prompt_texts[p_idx] = out.prompt
         pairs = []
