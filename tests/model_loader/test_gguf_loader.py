@@ -97,3 +97,20 @@ def test_fast_header_reader_matches_gguf_reader(tmp_path):
     np.testing.assert_array_equal(ours.tensor_data(ours.tensors[0]), f32)
     deq = gguf.quants.dequantize(ours.tensor_data(ours.tensors[2]), gguf.GGMLQuantizationType.Q8_0)
     assert deq.shape == (2, 64) and np.abs(deq - q8_src).max() < 0.05
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_fast_dequantize_bitwise_equals_gguf(qtype_name):
+    import gguf
+
+    from tokenmill.model_loader.gguf_dequant import fast_dequantize
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    x = np.random.default_rng(1).standard_normal((6, 96)).astype(np.float32) * 3
+    raw = gguf.quants.quantize(x, qtype)
+    ref = gguf.quants.dequantize(raw, qtype)
+    ours = fast_dequantize(raw, qtype_name)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.reshape(6, 96), ref)
+    assert np.abs(ref - x).max() < 1.0  # the round trip is a real quantization, not zeros
+    assert fast_dequantize(raw, "Q6_K") is None

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tokenmill.model_loader.gguf_dequant import FAST_TYPES, fast_dequantize
 from tokenmill.model_loader.gguf_file import read_gguf
 
 # GGUF block tensor base name -> HF name under `model.layers.N.`
@@ -113,13 +114,16 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
         if hf_name is None:
             continue
         qtype = GGMLQuantizationType(tensor.ggml_type)
-        try:
-            w = dequantize(gf.tensor_data(tensor), qtype)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
-                             f"which the gguf package cannot dequantize: {e}") from e
-        # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
-        w = np.array(w, dtype=np.float32).reshape(tensor.shape)
+        w = fast_dequantize(gf.tensor_data(tensor), qtype.name) if qtype.name in FAST_TYPES else None
+        if w is None:
+            try:
+                deq = dequantize(gf.tensor_data(tensor), qtype)
+            except NotImplementedError as e:
+                raise ValueError(f"GGUF tensor {tensor.name} uses quantization {qtype.name}, "
+                                 f"which the gguf package cannot dequantize: {e}") from e
+            # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
+            w = np.array(deq, dtype=np.float32)
+        w = w.reshape(tensor.shape)
         if arch in _PERMUTED_QK_ARCHS:
             if ".attn_q." in tensor.name:
                 w = unpermute_qk(w, n_head)
