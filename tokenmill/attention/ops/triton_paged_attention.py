@@ -151,6 +151,9 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Positions [0, full_end) are visible to every row of the block (its first
+    # token sits at ctx_len + q0); 0 for idle/padding blocks, which never loop.
+    full_end = tl.minimum(ctx_len + q0 + 1, kv_end)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
     head_off = kv_head.to(tl.int64) * stride_c_head
 
@@ -159,18 +162,12 @@ def paged_attention_kernel(
         n_valid = offs_n < kv_end
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_off = block_id * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + head_off
-        k = tl.load(
-            kv_cache_ptr + slot_off[None, :] + offs_d[:, None],
-            mask=n_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, BLOCK_N]
-        v = tl.load(
-            kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # [BLOCK_N, HEAD_DIM_PAD]
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(kv_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # k, v: [BLOCK_N, HEAD_DIM_PAD], rows contiguous in memory
 
-        s = tl.dot(q, k, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
         if USE_SOFTCAP:
             # cap * tanh(x / cap) with tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}):
             # never overflows, unlike the (e^{2y} - 1) / (e^{2y} + 1) form.
@@ -180,10 +177,15 @@ def paged_attention_kernel(
             s = tl.where(y < 0, -th, th) * (softcap * LOG2E)
         else:
             s = s * (scale * LOG2E)
-        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
+            visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
             visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible, s, float("-inf"))
+        elif start_n + BLOCK_N > full_end:
+            # Only tiles reaching past what the block's first token sees need the
+            # causal / length mask; earlier tiles are visible to every row.
+            visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so
