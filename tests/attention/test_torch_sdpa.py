@@ -164,3 +164,16 @@ def test_cuda_matches_reference(dtype):
                               cache.to(dev, dtype), md_dev, scale=0.125, sliding_window=32)
         n = md.num_actual_tokens
         torch.testing.assert_close(out[:n].double().cpu(), ref[:n], atol=tol, rtol=tol)
+
+
+def test_plan_is_reused_across_layers_and_windows():
+    """Layers with different windows in one step (Gemma-3 style) each get their own plan, built once."""
+    md, cache, key, value, fk, fv = _make_batch([30, 12], [1, 1], 16, 2, 8, 16, seed=4, pad_tokens=2)
+    query = torch.randn(key.shape[0], 4, 8)
+    be = TorchSDPABackend()
+    for window in (None, 6, None, 6):
+        out = be.forward(query, key, value, cache.clone(), md, scale=0.3, sliding_window=window)
+        ref = _reference(query, md, fk, fv, 0.3, window, None)
+        torch.testing.assert_close(out[:2].double(), ref[:2], atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert [p.window for p in be._plans] == [None, 6]

@@ -20,15 +20,53 @@ score tensor is larger than [heads, query_len, tile] per request.
 A fresh prompt (no cached context, no soft-cap) goes straight to
 `torch.nn.functional.scaled_dot_product_attention`, whose CPU/CUDA kernels
 are themselves tiled.
+
+Everything that depends only on the step's metadata (which blocks each
+group reads, the causal/window masks as additive biases) is planned once per
+step and window, on the first layer, and reused by every other layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Tile:
+    block_ids: torch.Tensor  # [B * nbt] int64 physical blocks, row-major over (row, block)
+    bias: torch.Tensor  # [B, 1, 1, Q, T] float32: 0 where visible, -inf where masked
+
+
+@dataclass(slots=True)
+class _Group:
+    """Query rows attended together: the decode batch (B rows, Q = 1) or one prefill chunk (B = 1)."""
+
+    tiles: list[_Tile] | None  # None until first needed (fresh prompts usually take the SDPA path)
+    tile_args: tuple = ()  # _plan_tiles arguments, to build `tiles` lazily
+    tokens: torch.Tensor | None = None  # decode batch: [B] token rows
+    start: int = 0  # prefill chunk: token rows [start, end)
+    end: int = 0
+    fresh: bool = False  # prefill with no cached context (SDPA fast path when allowed)
+
+    def get_tiles(self) -> list[_Tile]:
+        if self.tiles is None:
+            self.tiles = _plan_tiles(*self.tile_args)
+        return self.tiles
+
+
+@dataclass(slots=True)
+class _Plan:
+    md: AttentionMetadata  # kept alive so identity comparison is safe
+    window: int | None
+    decode: _Group | None = None
+    prefills: list[_Group] = field(default_factory=list)
+    pure_decode: bool = False  # every request is a decode: request i's token is row i
 
 
 class TorchSDPABackend:
@@ -53,6 +91,7 @@ class TorchSDPABackend:
         self.kv_tile_size = kv_tile_size
         self.decode_tile_budget = decode_tile_budget
         self.use_sdpa_prefill = use_sdpa_prefill
+        self._plans: list[_Plan] = []  # this step's plans, one per sliding-window value
 
     def forward(
         self,
@@ -74,87 +113,115 @@ class TorchSDPABackend:
         """
         n = attn_metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
-        qsl = attn_metadata.query_start_loc_cpu
-        seq_lens = attn_metadata.seq_lens_cpu
-        num_reqs = attn_metadata.num_reqs
-        query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        args = (scale, sliding_window, logits_soft_cap)
-
-        decode_reqs = np.flatnonzero(query_lens == 1)
-        if len(decode_reqs) == num_reqs == query.shape[0]:
-            # Pure decode step, no padding: token i is request i, no scatter needed.
-            return self._decode_batch(query, kv_cache, attn_metadata, decode_reqs, *args)
+        plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device)
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        if plan.pure_decode and query.shape[0] == attn_metadata.num_reqs:
+            assert plan.decode is not None and plan.decode.tiles is not None
+            q5 = query.view(-1, num_kv_heads, group, 1, head_dim)
+            return _attend(q5, kv_cache, plan.decode.tiles, scale, logits_soft_cap).view_as(query)
         out = torch.zeros_like(query)
-        if len(decode_reqs) > 0:
-            tok = torch.from_numpy(qsl[decode_reqs].astype(np.int64)).to(query.device, non_blocking=True)
-            out[tok] = self._decode_batch(query, kv_cache, attn_metadata, decode_reqs, *args)
-        for i in np.flatnonzero(query_lens > 1).tolist():
-            start, end = int(qsl[i]), int(qsl[i + 1])
-            seq_len = int(seq_lens[i])
-            q = query[start:end]
-            if self.use_sdpa_prefill and seq_len == end - start and logits_soft_cap is None:
-                out[start:end] = _fresh_prefill_sdpa(q, key[start:end], value[start:end], scale, sliding_window)
+        if plan.decode is not None:
+            q5 = query[plan.decode.tokens].view(-1, num_kv_heads, group, 1, head_dim)
+            o = _attend(q5, kv_cache, plan.decode.get_tiles(), scale, logits_soft_cap)
+            out[plan.decode.tokens] = o.view(-1, num_heads, head_dim)
+        for g in plan.prefills:
+            q = query[g.start : g.end]
+            if g.fresh and self.use_sdpa_prefill and logits_soft_cap is None:
+                out[g.start : g.end] = _fresh_prefill_sdpa(q, key[g.start : g.end], value[g.start : g.end], scale,
+                                                           sliding_window)
                 continue
-            out[start:end] = self._prefill_chunk(q, kv_cache, attn_metadata.block_table[i], seq_len, *args)
+            qlen = g.end - g.start
+            q5 = q.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
+            o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap)
+            # [1, Hkv, G, Q, D] -> [Q, H, D]
+            out[g.start : g.end] = o[0].permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         return out
 
-    def _prefill_chunk(
-        self,
-        q: torch.Tensor,  # [Q, H, D]
-        kv_cache: torch.Tensor,
-        block_row: torch.Tensor,  # [max_blocks] int32
-        seq_len: int,
-        scale: float,
-        window: int | None,
-        cap: float | None,
-    ) -> torch.Tensor:
-        qlen, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        first_pos = seq_len - qlen
-        # With a window, blocks wholly before the first query's window are skipped.
-        start_block = max(0, first_pos - window + 1) // block_size if window else 0
-        end_block = -(-seq_len // block_size)
-        block_idx = torch.arange(start_block, end_block, device=q.device)[None]  # [1, nb]
-        qpos = torch.arange(first_pos, seq_len, device=q.device)[None]  # [1, Q]
-        q5 = q.view(qlen, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)[None]
-        tile_blocks = max(1, self.kv_tile_size // block_size)
-        out = _paged_attention(q5, kv_cache, block_row[None], block_idx, qpos, scale, window, cap, tile_blocks)
-        # [1, Hkv, G, Q, D] -> [Q, H, D]
-        return out[0].permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
+    # ---- planning (once per step and window) ---------------------------------------
 
-    def _decode_batch(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-        reqs: np.ndarray,  # [B] request indices with query_len 1
-        scale: float,
-        window: int | None,
-        cap: float | None,
-    ) -> torch.Tensor:  # [B, H, D]: the decode tokens' outputs, in `reqs` order
-        device = query.device
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        _, num_heads, head_dim = query.shape
+    def _get_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device) -> _Plan:
+        if self._plans and self._plans[0].md is not md:
+            self._plans = []  # a new step
+        for plan in self._plans:
+            if plan.window == window:
+                return plan
+        plan = self._make_plan(md, window, block_size, device)
+        self._plans.append(plan)
+        return plan
+
+    def _make_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device) -> _Plan:
+        qsl, seq_lens = md.query_start_loc_cpu.astype(np.int64), md.seq_lens_cpu.astype(np.int64)
+        num_reqs = md.num_reqs
+        query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+        plan = _Plan(md, window)
+        decodes = np.flatnonzero(query_lens == 1)
+        if len(decodes):
+            plan.pure_decode = len(decodes) == num_reqs
+            plan.decode = self._plan_decodes(md, decodes, seq_lens[decodes], qsl[decodes], window, block_size,
+                                             device, plan.pure_decode)
+        for i in np.flatnonzero(query_lens > 1).tolist():
+            start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            qlen = end - start
+            first_pos = seq_len - qlen
+            # With a window, blocks wholly before the first query's window are skipped.
+            start_block = max(0, first_pos - window + 1) // block_size if window else 0
+            block_idx = np.arange(start_block, -(-seq_len // block_size))[None]  # [1, nb]
+            qpos = np.arange(first_pos, seq_len)[None]  # [1, Q]
+            tile_blocks = max(1, self.kv_tile_size // block_size)
+            args = (md.block_table[i : i + 1], block_idx, qpos, window, block_size, tile_blocks, device)
+            plan.prefills.append(_Group(None, args, start=start, end=end, fresh=first_pos == 0))
+        return plan
+
+    def _plan_decodes(self, md, reqs, seq_lens, tokens, window, block_size, device, pure) -> _Group:
         bsz = len(reqs)
-        seq_lens = md.seq_lens_cpu[reqs].astype(np.int64)
         # Per row, the blocks that can hold visible keys:
         #   seq_lens [5, 40], block 16, window 8 -> first [0, 2], last [0, 2] (blocks of pos 32..39)
         first = np.maximum(0, seq_lens - window) // block_size if window else np.zeros_like(seq_lens)
         nblocks = -(-seq_lens // block_size) - first
         # block_idx[b, t] = first[b] + t; entries past a row's end are masked by position.
         block_idx = first[:, None] + np.arange(int(nblocks.max()))[None]
-        block_idx_t = torch.from_numpy(block_idx).to(device, non_blocking=True)
-        qpos = torch.from_numpy(seq_lens - 1).to(device, non_blocking=True)[:, None]  # [B, 1]
-        if bsz == md.num_reqs:
-            q, block_rows = query[:bsz], md.block_table[:bsz]
-        else:
-            tok = torch.from_numpy(md.query_start_loc_cpu[reqs].astype(np.int64)).to(device, non_blocking=True)
-            rows = torch.from_numpy(reqs).to(device, non_blocking=True)
-            q, block_rows = query[tok], md.block_table[rows]
-        q5 = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+        rows = md.block_table[:bsz] if pure else md.block_table[torch.from_numpy(reqs).to(device)]
         tile_blocks = max(1, self.decode_tile_budget // (bsz * block_size))
-        o = _paged_attention(q5, kv_cache, block_rows, block_idx_t, qpos, scale, window, cap, tile_blocks)
-        return o.reshape(bsz, num_heads, head_dim)
+        tiles = _plan_tiles(rows, block_idx, (seq_lens - 1)[:, None], window, block_size, tile_blocks, device)
+        tok = torch.from_numpy(tokens).to(device, non_blocking=True)
+        return _Group(tiles, tokens=tok)
+
+
+def _plan_tiles(
+    block_rows: torch.Tensor,  # [B, max_blocks_per_req] int32 block ids (device)
+    block_idx: np.ndarray,  # [B, nb] logical block indices to visit (may run past a row's end)
+    qpos: np.ndarray,  # [B, Q] absolute query positions
+    window: int | None,
+    block_size: int,
+    tile_blocks: int,
+    device: torch.device,
+) -> list[_Tile]:
+    """Split each row's blocks into tiles of `tile_blocks` and precompute their masks.
+
+    Key position of (b, t, o) = block_idx[b, t] * block_size + o; visible to
+    query position p iff key_pos <= p (which also keeps it < seq_len) and,
+    with a window W, key_pos > p - W.
+    """
+    bsz, nb = block_idx.shape
+    width = block_rows.shape[1]
+    idx_all = torch.from_numpy(block_idx).to(device, non_blocking=True)
+    qpos_t = torch.from_numpy(qpos).to(device, non_blocking=True)
+    offsets = torch.arange(block_size, device=device)
+    tiles = []
+    for t0 in range(0, nb, tile_blocks):
+        idx = idx_all[:, t0 : t0 + tile_blocks]  # [B, nbt]
+        ntok = idx.shape[1] * block_size
+        # Logical index past the table's width only occurs for masked keys; clamp to stay in bounds.
+        ids = torch.gather(block_rows, 1, idx.clamp(max=width - 1)).flatten().long()
+        kpos = (idx[:, :, None] * block_size + offsets).reshape(bsz, ntok)  # [B, T]
+        visible = kpos[:, None, :] <= qpos_t[:, :, None]  # [B, Q, T]
+        if window is not None:
+            visible &= kpos[:, None, :] > qpos_t[:, :, None] - window
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
+        tiles.append(_Tile(ids, bias[:, None, None]))
+    return tiles
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -199,64 +266,64 @@ def _fresh_prefill_sdpa(
     return o.transpose(0, 1)
 
 
-def _paged_attention(
+def _tile_scores(q_flat, kv_cache, tile, scale, cap):
+    """Gather one tile's K/V and return (scores [B, Hkv, G*Q, T] float32 incl. bias, v [B, T, Hkv, D]).
+
+    index_select keeps the cache layout: [B*nbt, bs, Hkv, D] -> [B, T, Hkv, D]. Slicing one KV
+    head gives a strided [B, T, D] that bmm takes without a copy (a 4-D matmul over [B, Hkv]
+    would first copy K into [B, Hkv, T, D]).
+    """
+    bsz, num_kv_heads, rows, head_dim = q_flat.shape
+    k = kv_cache[0].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    v = kv_cache[1].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    if k.dtype != q_flat.dtype:
+        k, v = k.to(q_flat.dtype), v.to(q_flat.dtype)
+    s = torch.stack([torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1)
+    if s.dtype != torch.float32:
+        s = s.float()
+    if cap is not None:
+        s = torch.tanh(s * (scale / cap)) * cap
+    else:
+        s = s * scale
+    ntok = s.shape[-1]
+    qlen = tile.bias.shape[3]
+    s = (s.view(bsz, num_kv_heads, rows // qlen, qlen, ntok) + tile.bias).view(bsz, num_kv_heads, rows, ntok)
+    return s, v
+
+
+def _pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p [B, Hkv, R, T] float32 @ v [B, T, Hkv, D] per KV head -> [B, Hkv, R, D] float32."""
+    p = p.to(v.dtype)
+    out = torch.stack([torch.bmm(p[:, h], v[:, :, h]) for h in range(v.shape[2])], dim=1)
+    return out if out.dtype == torch.float32 else out.float()
+
+
+def _attend(
     q: torch.Tensor,  # [B, Hkv, G, Q, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    block_rows: torch.Tensor,  # [B, max_blocks_per_req] int32 block ids
-    block_idx: torch.Tensor,  # [B, nb] int64 logical block indices to visit (may run past a row's end)
-    qpos: torch.Tensor,  # [B, Q] int64 absolute query positions
+    tiles: list[_Tile],
     scale: float,
-    window: int | None,
     cap: float | None,
-    tile_blocks: int,
 ) -> torch.Tensor:  # [B, Hkv, G, Q, D] in q's dtype
-    """Attention of B query groups over their paged keys, tiled with an online softmax.
+    """Attention of B query groups over their planned key tiles.
 
-    Key position of (b, t, o) = block_idx[b, t] * block_size + o; it is visible
-    to query position p iff key_pos <= p (which also keeps it < seq_len) and,
-    with a window W, key_pos > p - W. Each tile gathers `tile_blocks` blocks per
-    row, so the largest score tensor is [B, Hkv, G, Q, tile_blocks * block_size].
+    One tile: plain softmax. Several: online softmax over tiles, so the
+    largest score tensor is [B, Hkv, G, Q, tile keys].
     """
     bsz, num_kv_heads, group, qlen, head_dim = q.shape
-    block_size = kv_cache.shape[2]
-    nb = block_idx.shape[1]
-    width = block_rows.shape[1]
-    offsets = torch.arange(block_size, device=q.device)
     q_flat = q.reshape(bsz, num_kv_heads, group * qlen, head_dim)
+    if len(tiles) == 1:
+        s, v = _tile_scores(q_flat, kv_cache, tiles[0], scale, cap)
+        return _pv(s.softmax(dim=-1), v).view(q.shape).to(q.dtype)
     m = l = acc = None
-    for t0 in range(0, nb, tile_blocks):
-        idx = block_idx[:, t0 : t0 + tile_blocks]  # [B, nbt]
-        ntok = idx.shape[1] * block_size
-        # Logical index past the table's width only occurs for masked keys; clamp to stay in bounds.
-        ids = torch.gather(block_rows, 1, idx.clamp(max=width - 1)).flatten().long()
-        kpos = (idx[:, :, None] * block_size + offsets).reshape(bsz, ntok)  # [B, T]
-        # index_select keeps the cache layout: [B*nbt, bs, Hkv, D] -> [B, T, Hkv, D]. Slicing one
-        # KV head gives a strided [B, T, D] that bmm takes without a copy (a 4-D matmul
-        # over [B, Hkv] would first copy K into [B, Hkv, T, D]).
-        k = kv_cache[0].index_select(0, ids).view(bsz, ntok, num_kv_heads, head_dim)
-        v = kv_cache[1].index_select(0, ids).view(bsz, ntok, num_kv_heads, head_dim)
-        if k.dtype != q.dtype:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        s = torch.stack(
-            [torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1
-        ).float() * scale  # [B, Hkv, G*Q, T]
-        if cap is not None:
-            s = torch.tanh(s / cap) * cap
-        visible = kpos[:, None, :] <= qpos[:, :, None]  # [B, Q, T]
-        if window is not None:
-            visible &= kpos[:, None, :] > qpos[:, :, None] - window
-        s = s.view(bsz, num_kv_heads, group, qlen, ntok).masked_fill_(~visible[:, None, None], float("-inf"))
-        tile_max = s.amax(dim=-1)  # [B, Hkv, G, Q]
-        if m is None:
-            m_new = tile_max
-        else:
-            m_new = torch.maximum(m, tile_max)
+    for tile in tiles:
+        s, v = _tile_scores(q_flat, kv_cache, tile, scale, cap)
+        tile_max = s.amax(dim=-1)  # [B, Hkv, R]
+        m_new = tile_max if m is None else torch.maximum(m, tile_max)
         # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp gives 0, not NaN.
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
         p = torch.exp(s - m_safe[..., None])
-        p_flat = p.view(bsz, num_kv_heads, group * qlen, ntok).to(v.dtype)
-        pv = torch.stack([torch.bmm(p_flat[:, h], v[:, :, h]) for h in range(num_kv_heads)], dim=1).float()
-        pv = pv.view(bsz, num_kv_heads, group, qlen, head_dim)
+        pv = _pv(p, v)
         if m is None:
             l, acc = p.sum(dim=-1), pv
         else:
@@ -265,4 +332,4 @@ def _paged_attention(
             acc = acc * corr[..., None] + pv
         m = m_new
     assert acc is not None and l is not None, "every request has at least one key"
-    return (acc / l[..., None]).to(q.dtype)
+    return (acc / l[..., None]).view(q.shape).to(q.dtype)
