@@ -40,12 +40,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks" / "configs" / "llama-3.1-8b.json"
 
 
-def _workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+def _workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
     reqs = []
     for _ in range(args.num_prompts):
         n_in, n_out = rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len)
-        reqs.append(([rng.randrange(1000, 120000) for _ in range(n_in)], n_out))
+        reqs.append(([rng.randrange(100, vocab - 100) for _ in range(n_in)], n_out))
     return reqs
 
 
@@ -54,6 +54,7 @@ def run_one(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from tokenmill import LLM, SamplingParams
 
+    vocab = json.loads(Path(args.config).read_text())["vocab_size"]
     model_dir = Path(tempfile.mkdtemp(prefix="tp_bench_"))
     shutil.copy(args.config, model_dir / "config.json")
     t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     # 1. parity
     rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, 120000) for _ in range(rng.randint(8, 64))]}
+    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(rng.randint(8, 64))]}
                for _ in range(8)]
     params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -76,7 +77,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     # 2. single-request TTFT / TPOT
     engine = llm.llm_engine
-    prompt = {"prompt_token_ids": [rng.randrange(1000, 120000) for _ in range(args.tpot_input)]}
+    prompt = {"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(args.tpot_input)]}
     engine.add_request("tpot", prompt, SamplingParams(max_tokens=args.tpot_output, temperature=0.0, ignore_eos=True))
     times = []
     start = time.perf_counter()
@@ -87,7 +88,7 @@ def run_one(args: argparse.Namespace) -> dict:
     result["tpot_ms"] = (times[-1] - times[0]) / max(1, len(times) - 1) * 1e3
 
     # 3. offline throughput
-    reqs = _workload(args)
+    reqs = _workload(args, vocab)
     batch = [{"prompt_token_ids": ids} for ids, _ in reqs]
     sps = [SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True) for _, n_out in reqs]
     start = time.perf_counter()
