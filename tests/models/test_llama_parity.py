@@ -13,8 +13,8 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from tokenmill.config import EngineArgs
 from tokenmill.model_loader import get_model
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5}
 
 
 def _save_tiny_llama(folder: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> HFLlamaForCausalLM:

@@ -106,7 +106,7 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
     gf = read_gguf(gguf_file)
     arch = gf.metadata.get("general.architecture")
     if not isinstance(arch, str):
-        raise ValueError(f"{gguf_file} has no general.architecture field.")
+        raise ValueError(f"{gguf_file} has no general.architecture field.")  # noqa: TRY004 (a bad file, not a bad type)
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
     for tensor in gf.tensors:

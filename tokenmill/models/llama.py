@@ -10,6 +10,7 @@ and the checkpoint names are mapped onto them in `load_weights`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -134,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         ".q_proj": (".qkv_proj", "q"),
         ".k_proj": (".qkv_proj", "k"),
         ".v_proj": (".qkv_proj", "v"),
