@@ -107,7 +107,7 @@ def test_matches_reference(block_size, heads, window, cap, case):
 
 
 def test_writes_new_kv_and_skips_padding():
-    md, cache, key, value, fk, fv = _make_batch([5, 0], [3, 1], 16, 2, 4, 12, seed=3, pad_tokens=2)
+    md, cache, key, value, _, _ = _make_batch([5, 0], [3, 1], 16, 2, 4, 12, seed=3, pad_tokens=2)
     before = cache.clone()
     query = torch.randn(key.shape[0], 2, 4)
     out = TorchSDPABackend().forward(query, key, value, cache, md, scale=0.5)
@@ -133,7 +133,7 @@ def test_write_kv_cache_skips_minus_one_anywhere():
 def test_long_context_is_tiled():
     """A tiled run never multiplies by more than one tile of keys, and matches the one-tile run."""
     block_size, tile = 16, 32
-    md, cache, key, value, fk, fv = _make_batch([300, 250, 0], [20, 1, 1], block_size, 2, 8, 64, seed=5)
+    md, cache, key, value, _, _ = _make_batch([300, 250, 0], [20, 1, 1], block_size, 2, 8, 64, seed=5)
     query = torch.randn(md.num_actual_tokens, 4, 8)
     big = TorchSDPABackend(kv_tile_size=10_000, use_sdpa_prefill=False)
     small = TorchSDPABackend(kv_tile_size=tile, decode_tile_budget=2 * tile, use_sdpa_prefill=False)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_runner import BLOCK
+from tiny_runner import make_tiny_runner as _runner
 
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
-from tiny_runner import BLOCK, make_tiny_runner as _runner
 
 def _new(req_id, prompt, blocks, params=None, computed=0):
     return NewRequestData(req_id, prompt, [], params or SamplingParams(temperature=0.0, logprobs=3), blocks, computed)
@@ -71,7 +72,7 @@ def test_mixed_batch_rows_are_independent():
     solo_a, _ = _greedy_run([11], 2)
     r = _runner()
     other = [7, 7, 8, 1, 2]
-    r.execute_model(_step(new=[_new("a", PROMPT, list(range(0, 6)))], sched={"a": 11}))
+    r.execute_model(_step(new=[_new("a", PROMPT, list(range(6)))], sched={"a": 11}))
     out = r.execute_model(_step(new=[_new("b", other, list(range(6, 9)))], cached=[("a", [], 11)],
                                 sched={"a": 1, "b": 5}))
     assert out.req_ids == ["a", "b"]
@@ -108,7 +109,7 @@ def test_kv_sizing_and_too_small_cache():
 def test_cuda_runner_matches_cpu_and_profiles_memory(backend):
     import torch
 
-    cpu_tokens, cpu_lps = _greedy_run([4, 5, 2], 4)
+    cpu_tokens, _ = _greedy_run([4, 5, 2], 4)
     r = _runner(device="cuda", backend=backend)
     assert r.attn_backend.name == backend
     r.config.cache_config.num_gpu_blocks_override = None

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_runner import make_tiny_runner as _runner
 
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.executor.uniproc import UniProcExecutor
 from tokenmill.sampling_params import SamplingParams
-
-from tiny_runner import make_tiny_runner as _runner
 
 
 def test_lifecycle_and_greedy_decode():

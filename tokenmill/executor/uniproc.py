@@ -34,13 +34,10 @@ class UniProcExecutor(Executor):
             return
         self.worker = None
         gc.collect()
-        try:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001 - best effort at shutdown
-            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _worker(self) -> Worker:
         if self.worker is None:

@@ -16,9 +16,9 @@ import torch
 
 from tokenmill.attention.selector import get_attn_backend
 from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
-from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.worker.input_batch import InputBatch
