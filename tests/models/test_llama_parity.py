@@ -97,3 +97,20 @@ def test_unknown_checkpoint_tensor_is_an_error(tmp_path):
         model.load_weights([("vision_tower.weight", torch.zeros(3))])
     with pytest.raises(ValueError, match="shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_pytorch_bin_checkpoint_loads_like_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    st, pt = tmp_path / "st", tmp_path / "pt"
+    _save_tiny_llama(str(st), seed=5)
+    _save_tiny_llama(str(pt), seed=5)
+    state = load_file(pt / "model.safetensors")
+    (pt / "model.safetensors").unlink()
+    torch.save(state, pt / "pytorch_model.bin")
+    a, b = _load_ours(str(st)), _load_ours(str(pt))
+    for name, w in a.state_dict().items():
+        assert torch.equal(w, b.state_dict()[name]), name
+    cfg = EngineArgs(model=str(pt), device="cpu", load_format="safetensors").create_engine_config()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        get_model(cfg.model_config, "cpu", "float32")
