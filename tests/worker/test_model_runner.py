@@ -124,3 +124,32 @@ def test_cuda_runner_matches_cpu_and_profiles_memory(backend):
         tokens.append(out.sampled_token_ids[0][0])
     assert tokens == cpu_tokens
     assert r.kv_caches[0].device.type == "cuda" and torch.cuda.is_available()
+
+
+def test_runner_matches_hf_transformers_logprobs():
+    """Chunked prefill + decodes through the runner give HF's log-probabilities at each sampled position."""
+    import torch
+    from tiny_runner import tiny_llama_config
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(1)
+    hf = HFLlama(tiny_llama_config()).eval()
+    r = _runner()
+    r.model.load_weights(hf.state_dict().items())
+    params = SamplingParams(temperature=0.0, logprobs=4)
+    out = r.execute_model(_step(new=[_new("a", PROMPT, list(range(6)), params)], sched={"a": 7}))
+    assert out.sampled_token_ids == [[]]
+    out = r.execute_model(_step(cached=[("a", [], 7)], sched={"a": 4}))
+    tokens, rows = [out.sampled_token_ids[0][0]], [out.logprobs]
+    for computed in range(11, 14):
+        out = r.execute_model(_step(cached=[("a", [], computed)], sched={"a": 1}))
+        tokens.append(out.sampled_token_ids[0][0])
+        rows.append(out.logprobs)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + tokens])).logits[0].float().log_softmax(-1)
+    for j, lp in enumerate(rows):
+        pos = len(PROMPT) - 1 + j
+        assert tokens[j] == int(ref[pos].argmax())
+        ids = lp.logprob_token_ids[0]
+        np.testing.assert_allclose(lp.logprobs[0], ref[pos, ids].tolist(), atol=1e-4)
+        assert ids[1:] == ref[pos].topk(4).indices.tolist()
