@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 PEAK_HBM_GBPS = 4800.0  # H200 datasheet; ~4300 measured for device copies
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet; ~790 measured on random data
@@ -89,7 +89,7 @@ def check_attention(dtype, head_dim, block_size, window, cap, num_stages):
                                block_size=block_size, dtype=dtype, device="cuda", num_padding_tokens=3, generator=gen)
     worst = 0.0
     for b in (batch, batch_8to1, decodes):
-        kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
+        kw = {"scale": head_dim**-0.5, "sliding_window": window, "logits_soft_cap": cap}
         out = torch.full_like(b.query, float("nan"))
         max_seq_len = max(c + n for c, n in zip(b.context_lens, b.query_lens, strict=True))
         paged_attention(b.query, b.kv_cache, b.block_table, b.seq_lens, b.query_start_loc, num_reqs=b.num_reqs,

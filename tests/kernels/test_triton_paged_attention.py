@@ -78,7 +78,7 @@ def test_random_mixed_batches(num_heads, num_kv_heads, head_dim, block_size, win
             block_size=block_size, dtype=torch.float32, device=DEVICE,
             num_padding_tokens=trial % 3, generator=gen,
         )
-        kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
+        kw = {"scale": head_dim**-0.5, "sliding_window": window, "logits_soft_cap": cap}
         _check(batch, _run(batch, **kw), atol=2e-5, **kw)
 
 
@@ -90,7 +90,7 @@ def test_edge_lengths_and_tile_shapes():
     q = [1, 16, 1, 16, 2, 21]
     batch = make_paged_batch(ctx, q, num_heads=4, num_kv_heads=2, head_dim=16, block_size=32,
                              dtype=torch.float32, device=DEVICE, num_padding_tokens=3, generator=gen)
-    kw = dict(scale=0.3)
+    kw = {"scale": 0.3}
     for block_m, block_n in [(None, None), (16, 16), (64, 128), (32, 32)]:
         _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
 
@@ -116,7 +116,7 @@ def test_decode_only_batch_uses_small_tiles():
     batch = make_paged_batch(ctx, [1] * len(ctx), num_heads=8, num_kv_heads=2, head_dim=16, block_size=16,
                              dtype=torch.float32, device=DEVICE, generator=gen)
     assert choose_launch_config(1, 4, 16).block_m == 16
-    kw = dict(scale=0.25, sliding_window=16)
+    kw = {"scale": 0.25, "sliding_window": 16}
     _check(batch, _run(batch, **kw), atol=2e-5, **kw)
 
 
@@ -124,7 +124,7 @@ def test_fp16_matches_reference():
     gen = torch.Generator().manual_seed(3)
     batch = make_paged_batch([0, 20, 3], [5, 1, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                              dtype=torch.float16, device=DEVICE, num_padding_tokens=1, generator=gen)
-    kw = dict(scale=0.25, logits_soft_cap=4.0)
+    kw = {"scale": 0.25, "logits_soft_cap": 4.0}
     out = _run(batch, **kw)
     assert out.dtype == torch.float16
     _check(batch, out, atol=3e-3, **kw)
@@ -158,7 +158,7 @@ def test_cuda_long_decodes_split_kv(dtype):
     batch = make_paged_batch(ctx, [1] * 5, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                              dtype=dtype, device="cuda", num_padding_tokens=3, generator=gen)
     assert choose_num_splits(batch.query.device, 1, 5, 8, 8192) > 1
-    kw = dict(scale=128**-0.5)
+    kw = {"scale": 128**-0.5}
     _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
 
 
@@ -174,5 +174,5 @@ def test_cuda_real_sizes(dtype, head_dim, block_size, window, cap):
     q = [300, 1, 1, 64, 1, 129]
     batch = make_paged_batch(ctx, q, num_heads=32, num_kv_heads=4, head_dim=head_dim, block_size=block_size,
                              dtype=dtype, device="cuda", num_padding_tokens=4, generator=gen)
-    kw = dict(scale=head_dim**-0.5, sliding_window=window, logits_soft_cap=cap)
+    kw = {"scale": head_dim**-0.5, "sliding_window": window, "logits_soft_cap": cap}
     _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)

@@ -13,6 +13,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import platform
 import shutil
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from tokenmill.platforms import cuda_rules
+
+logger = logging.getLogger(__name__)
 
 
 def _package_version(name: str) -> str | None:
@@ -41,15 +44,15 @@ def _driver_version() -> str | None:
             pynvml.nvmlInit()
             version = pynvml.nvmlSystemGetDriverVersion()
             return version.decode() if isinstance(version, bytes) else str(version)
-        except Exception:  # noqa: BLE001 - any NVML failure just means "unknown"
-            pass
+        except Exception as e:  # noqa: BLE001 - any NVML failure just means "unknown"
+            logger.debug("pynvml could not read the driver version: %s", e)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
     try:
         proc = subprocess.run(
             [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
+            check=False, capture_output=True, text=True, timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
