@@ -177,3 +177,16 @@ def test_plan_is_reused_across_layers_and_windows():
         torch.testing.assert_close(out[:2].double(), ref[:2], atol=1e-5, rtol=1e-5)
         assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     assert [p.window for p in be._plans] == [None, 6]
+
+
+def test_sync_free_padding_redirect_writes_only_valid_slots():
+    from tokenmill.attention.backends.torch_sdpa import _redirect_padding
+
+    key = torch.arange(8.0).view(4, 1, 2) + 1
+    slots, k, _ = _redirect_padding(torch.tensor([-1, 7, -1, 9]), key, -key)
+    assert slots.tolist() == [7, 7, 7, 9]
+    cache = torch.zeros(2, 3, 4, 1, 2)
+    flat = cache.view(2, -1, 1, 2)
+    flat[0].index_copy_(0, slots, k)
+    assert torch.equal(flat[0, 7], key[1]) and torch.equal(flat[0, 9], key[3])
+    assert int((flat[0] != 0).any(-1).any(-1).sum()) == 2

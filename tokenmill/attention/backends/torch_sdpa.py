@@ -234,12 +234,30 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     if slot_mapping.numel() == 0:
         return
-    if slot_mapping.device.type != "cpu" or int(slot_mapping.min()) < 0:
-        # Boolean indexing costs a device sync on CUDA; the fallback backend accepts it.
-        valid = slot_mapping >= 0
-        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    if slot_mapping.device.type == "cpu":
+        if int(slot_mapping.min()) < 0:
+            valid = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    else:
+        slot_mapping, key, value = _redirect_padding(slot_mapping, key, value)
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _redirect_padding(
+    slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Skip -1 slots without a host sync: padding rows become copies of the first valid row.
+
+    A duplicate index with an identical value writes the same bytes, so the
+    copy stays deterministic: slots [-1, 7, -1, 9] -> [7, 7, 7, 9] (rows 0, 2 take row 1's K/V).
+    Needs at least one valid slot (the caller passes only the step's real tokens).
+    """
+    valid = slot_mapping >= 0
+    first = valid.to(torch.int8).argmax()  # index of the first valid row, on the device
+    slot_mapping = torch.where(valid, slot_mapping, slot_mapping[first])
+    keep = valid[:, None, None]
+    return slot_mapping, torch.where(keep, key, key[first]), torch.where(keep, value, value[first])
 
 
 def _fresh_prefill_sdpa(
