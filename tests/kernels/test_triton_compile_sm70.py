@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import triton
     from triton.backends.compiler import GPUTarget
-    from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, paged_attention_kernel
+    from tokenmill.attention.ops.triton_attention_config import choose_launch_config
+    from tokenmill.attention.ops.triton_paged_attention import paged_attention_kernel
     from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache_kernel
     from tokenmill.attention.ops.triton_merge_splits import merge_splits_kernel
     from tokenmill.platforms.cuda_rules import triton_launch_settings

@@ -12,7 +12,9 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from tokenmill.attention.ops.triton_paged_attention import choose_launch_config, choose_num_splits, paged_attention
+from tokenmill.attention.ops import triton_attention_config
+from tokenmill.attention.ops.triton_attention_config import choose_launch_config, choose_num_splits
+from tokenmill.attention.ops.triton_paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -138,6 +140,17 @@ def test_launch_config_rules():
     cfg = choose_launch_config(1, 32, 64)  # MQA with 32 heads: a tile holds one token
     assert (cfg.block_m, cfg.block_q) == (32, 1)
     assert choose_launch_config(100, 1, 256).block_n == 32
+
+
+def test_split_count_rules(monkeypatch):
+    monkeypatch.setattr(triton_attention_config, "_num_sms", lambda index: 132)  # H100/H200
+    cuda = torch.device("cuda", 0)
+    assert choose_num_splits(cuda, 1, 1, 8, 8192) == 16  # 8 programs: split to the cap
+    assert choose_num_splits(cuda, 1, 8, 8, 8192) == 5  # ceil(264 / 64)
+    assert choose_num_splits(cuda, 1, 64, 8, 1024) == 1  # 512 programs fill the GPU
+    assert choose_num_splits(cuda, 1, 1, 8, 300) == 1  # too short to split
+    assert choose_num_splits(cuda, 512, 1, 8, 8192) == 1  # prefill steps never split
+    assert choose_num_splits(torch.device("cpu"), 1, 1, 8, 8192) == 1
 
 
 def test_rejects_bad_head_ratio():

@@ -1,0 +1,92 @@
+"""Launch configuration of the paged-attention kernel, from host-side ints only.
+
+Nothing here reads device memory, so a CUDA graph captured for a batch shape
+replays the same launch; tile sizes were checked with a sweep on an H200
+(benchmarks/gpu/sweep_tiles.py, docs/gpu_notes.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionLaunchConfig:
+    """Tile sizes and launch settings of `paged_attention_kernel`."""
+
+    block_q: int  # new tokens per program
+    qpk_pad: int  # padded query heads per kv head
+    block_n: int  # KV positions per loop step
+    head_dim_pad: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.qpk_pad
+
+
+def choose_launch_config(
+    max_query_len: int,
+    num_queries_per_kv: int,
+    head_dim: int,
+    *,
+    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> AttentionLaunchConfig:
+    """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
+
+    Decode-only steps (max_query_len <= 4) use 16-row tiles: one decode token
+    times the GQA group fills a tile with little waste (32 q / 8 kv heads ->
+    4 tokens x 4 heads). Prefill steps use 64 rows. BLOCK_N shrinks for
+    head_dim 256 to keep the fp32 accumulator and K/V tiles in registers.
+    `num_stages` comes from the platform (1 on sm_70, which has no cp.async).
+    """
+    qpk_pad = triton.next_power_of_2(num_queries_per_kv)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if block_m is None:
+        block_m = 16 if max_query_len <= 4 else 64
+    block_m = max(block_m, qpk_pad, 16)
+    if block_n is None:
+        block_n = 64 if head_dim_pad <= 128 else 32
+        if num_stages == 1 and head_dim_pad >= 256 and block_m >= 64:
+            block_n = 16  # sm_7x (unpipelined): stay well under V100's 96 KiB shared memory
+    if num_warps is None:
+        num_warps = 8 if (block_m >= 64 and head_dim_pad >= 256) else 4
+    return AttentionLaunchConfig(
+        block_q=block_m // qpk_pad,
+        qpk_pad=qpk_pad,
+        block_n=block_n,
+        head_dim_pad=head_dim_pad,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    device: torch.device, max_query_len: int, num_reqs: int, num_kv_heads: int, max_seq_len: int | None
+) -> int:
+    """How many pieces to split each KV range into (1 = no split).
+
+    Only decode steps (max_query_len <= 4) on a GPU split, and only when the
+    (request, kv head) programs cannot give every SM two of them; each split
+    should still stream >= 256 positions. E.g. H200 (132 SMs), 8 kv heads:
+    1 request at 8k context -> 16 splits; 64 requests -> 1.
+    """
+    if device.type != "cuda" or max_query_len > 4 or not max_seq_len:
+        return 1
+    programs = max(1, num_reqs * num_kv_heads)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    want = -(-2 * _num_sms(index) // programs)  # ceil
+    return max(1, min(16, want, max_seq_len // 256))
