@@ -54,3 +54,13 @@ def test_engine_startup_error_is_printed_and_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(failing))
     assert main(["serve", "m.gguf"]) == 1
     assert "use at most 320" in capsys.readouterr().err
+
+
+def test_subcommands_with_their_own_parsers_get_the_rest_of_argv(capsys):
+    import json
+
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert isinstance(info, dict) and info
+    assert main(["bench", "--help"]) == 0
+    assert "throughput" in capsys.readouterr().out

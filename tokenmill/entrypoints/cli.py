@@ -21,7 +21,7 @@ from tokenmill.version import get_version
 
 # command name -> (module, one-line help); see the module docstring.
 SUBCOMMAND_MODULES = {
-    "env": ("tokenmill.entrypoints.cli_env", "Show the environment: versions, devices, defaults."),
+    "env": ("tokenmill.entrypoints.env", "Show the environment: versions, devices, defaults."),
     "bench": ("tokenmill.benchmarks.cli", "Benchmarks: serve, throughput, latency, plot."),
 }
 
