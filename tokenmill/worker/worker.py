@@ -51,6 +51,11 @@ class Worker:
             from tokenmill.platforms.cuda_rules import prepare_cuda_device
 
             prepare_cuda_device(self.local_rank, dc.force_cc70)  # torch arch check; SDPA limits on cc < 8.0
+            if pc.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+                # Rank processes on one host would each start a full OpenMP pool and
+                # spin against each other in the step's small CPU-side tensor ops
+                # (vLLM's workers use one thread for the same reason).
+                torch.set_num_threads(1)
         else:
             self.device = torch.device("cpu")
             threads = os.environ.get("TOKENMILL_CPU_THREADS")
