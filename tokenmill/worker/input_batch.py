@@ -34,6 +34,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample from
+    rows: np.ndarray  # [num_reqs] batch rows of the scheduled requests, in token order
     sample_rows: np.ndarray  # [S] batch rows that sample, in logits order
     sampling_metadata: SamplingMetadata | None  # None when nobody samples
 
@@ -203,4 +204,4 @@ class InputBatch:
         if num_sample:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
         return StepInputs(d["input_ids"][:total], d["positions"][:total], md, d["logits_indices"][:num_sample],
-                          sample_rows, sampling_md)
+                          rows, sample_rows, sampling_md)

@@ -21,6 +21,7 @@ from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
 from tokenmill.forward_context import set_forward_context
 from tokenmill.sample.sampler import Sampler, SamplerOutput
+from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_spec
 
@@ -149,19 +150,17 @@ class ModelRunner:
         inputs = batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
         with set_forward_context(inputs.attn_metadata, self.kv_caches, self.attn_backend):
             hidden = self._run_model(inputs.input_ids, inputs.positions)
-        step_rows = np.fromiter(
-            (batch.req_id_to_index[r] for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0), np.int64
-        )
-        step_rows.sort()  # prepare_inputs orders requests by row
-        req_ids = [batch.req_ids[r] for r in step_rows.tolist()]
+        req_ids = [batch.req_ids[r] for r in inputs.rows.tolist()]
         index = {r: i for i, r in enumerate(req_ids)}
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs = None
         if inputs.sampling_metadata is not None:
-            out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows))
+            sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
+            grammar = grammar_rows(scheduler_output, sample_req_ids, self.device)
+            out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows),
+                               grammar)
             token_ids, lp_rows = _to_host(out)
             batch.append_sampled(inputs.sample_rows, np.array(token_ids, np.int64))
-            sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
             for rid, tok in zip(sample_req_ids, token_ids):
                 sampled[index[rid]] = [tok]
             if lp_rows is not None:
@@ -186,12 +185,19 @@ class ModelRunner:
         send_intermediate(out)
         return None
 
-    def _sample(self, hidden: torch.Tensor | None, logits_indices: torch.Tensor, metadata, num_rows: int) -> SamplerOutput:
-        """Logits and sampling on the last stage; with several ranks every rank gets the output rank's ids."""
+    def _sample(self, hidden: torch.Tensor | None, logits_indices: torch.Tensor, metadata, num_rows: int,
+                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """Logits and sampling on the last stage; with several ranks every rank gets the output rank's ids.
+
+        `grammar` (bitmask, logits rows): structured-output masks applied to the logits before sampling.
+        """
         assert self.model is not None
         out = None
         if hidden is not None:
-            out = self.sampler(self.model.compute_logits(hidden[logits_indices]), metadata)
+            logits = self.model.compute_logits(hidden[logits_indices])
+            if grammar is not None:
+                apply_grammar_bitmask(logits, *grammar)
+            out = self.sampler(logits, metadata)
         if not ps.model_parallel_is_initialized():
             assert out is not None
             return out
