@@ -37,11 +37,14 @@ class FakeStream:
         self.engine = engine
         self.items: list[RequestOutput] = []
         self.unfinished: set[str] = set()
+        self.hang = False
 
     def __aiter__(self) -> FakeStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if self.hang:
+            await asyncio.Event().wait()  # a request that never produces output
         if not self.items:
             raise StopAsyncIteration
         await asyncio.sleep(0)
@@ -113,6 +116,7 @@ class FakeEngine:
                                               token_ids=list(range(100, 100 + k)), logprobs=logprobs,
                                               finish_reason="length" if done else None))
             stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done))
+        stream.hang = prompt == "hang"
         if prompt == "die":  # the core dies after the first output
             from tokenmill.engine.core_client import EngineDeadError
 

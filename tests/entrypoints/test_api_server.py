@@ -196,3 +196,31 @@ def test_echo_prepends_the_prompt_text_or_decoded_ids(call):
     status, raw = call("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2, "echo": True, "stream": True})
     chunks = [json.loads(e) for e in _sse_events(raw)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "ab" + fake_completion_text(2)
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(app, fake_engine):
+    import asyncio
+
+    from fake_engine import _scope
+
+    body = json.dumps({"prompt": "hang", "max_tokens": 3, "request_id": "slow-1"}).encode()
+    sent: list[dict] = []
+
+    async def run() -> None:
+        calls = 0
+
+        async def receive():
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.05)  # the client hangs up while the engine works
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(app(_scope("POST", "/v1/completions"), receive, send), timeout=10)
+
+    asyncio.run(run())
+    assert fake_engine.aborted == ["slow-1"]
