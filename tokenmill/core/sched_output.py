@@ -8,6 +8,7 @@ comes back. Neither holds a tensor or a `Request`: only ints, lists and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -63,6 +64,12 @@ class SchedulerOutput:
     # Requests that finished or were aborted/preempted since the last step:
     # the worker drops their state. (Preempted ones may come back later as new.)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured output (filled by the engine core after scheduling):
+    # req_id -> row of grammar_bitmask, for scheduled requests under a grammar.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # [len(structured_output_request_ids), ceil(vocab_size / 32)] int32 NumPy
+    # array; bit j of word w set = token 32 * w + j allowed. None when unused.
+    grammar_bitmask: Any = None
 
 
 @dataclass(slots=True)

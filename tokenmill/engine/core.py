@@ -14,7 +14,16 @@ import logging
 from typing import Any
 
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.request import EngineCoreOutputs, EngineCoreRequest, Request, RequestStatus, SchedulerStats
+from tokenmill.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SchedulerStats,
+)
+from tokenmill.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,8 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks)
+        # Grammar compile + per-request matchers + each step's bitmask (structured output).
+        self.structured_output = StructuredOutputManager(engine_config)
 
     def _log_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         tokens = num_blocks * block_size
@@ -102,7 +113,12 @@ class EngineCore:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = self.engine_config.scheduler_config.max_model_len - len(request.prompt_token_ids)
-        self.scheduler.add_request(Request(request, max_tokens))
+        req = Request(request, max_tokens)
+        spec = self.structured_output.spec_of(req)
+        if spec is not None:  # held back until its grammar is compiled (off the step thread)
+            self.structured_output.submit(req, spec)
+            return
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -112,23 +128,45 @@ class EngineCore:
         string matched in the output processor.
         """
         if request_ids:
+            self.structured_output.abort(request_ids)
             self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured_output.has_pending()
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling step; empty outputs when nothing could be scheduled."""
+        so_failed = self._admit_structured_requests()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+            return EngineCoreOutputs(outputs=so_failed, scheduler_stats=self.scheduler.make_stats())
+        self.structured_output.fill_bitmask(scheduler_output)
         model_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.structured_output.accept_outputs(outputs, self.scheduler)
+        outputs.outputs.extend(so_failed)
+        return outputs
+
+    def _admit_structured_requests(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar compiled to the scheduler; outputs for those that failed."""
+        if not self.structured_output.has_pending():
+            return []
+        ready, failed = self.structured_output.pop_ready(wait=not self.scheduler.has_unfinished_requests())
+        for req in ready:
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as exc:
+                logger.error("request %s refused by the scheduler: %s", req.request_id, exc)
+                self.structured_output.abort([req.request_id])
+                failed.append(EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                               finish_reason=FinishReason.ABORT))
+        return failed
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenmill.request import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.spec import validate_structured_outputs
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -164,6 +165,7 @@ class InputProcessor:
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"Requested {params.prompt_logprobs} prompt_logprobs, but at most {max_logprobs} "
                              "are allowed.")
+        validate_structured_outputs(params.extra_args)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("Stop strings need detokenized text; they cannot be used with skip_tokenizer_init or "
                              "detokenize=False (use stop_token_ids instead).")
