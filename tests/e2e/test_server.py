@@ -176,9 +176,7 @@ def test_32_concurrent_requests_are_batched_with_correct_usage(client, model, se
 def test_dropped_stream_is_aborted_in_the_core(client, model, server):
     stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=400, stream=True,
                                        extra_body={"ignore_eos": True})
-    got = 0
-    for chunk in stream:
-        got += 1
+    for got, _chunk in enumerate(stream, start=1):
         if got >= 3:
             break
     stream.close()

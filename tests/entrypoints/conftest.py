@@ -22,7 +22,7 @@ def app(fake_engine: FakeEngine) -> Any:
 
 
 @pytest.fixture
-def call(app: Any):  # noqa: ANN201 - returns a sync helper
+def call(app: Any):
     def _call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
         status, raw = asyncio.run(asgi_call(app, method, path, body))
         return status, raw

@@ -163,7 +163,7 @@ async def asgi_call(app: Any, method: str, path: str, body: Any = None) -> tuple
 
     try:
         await app(_scope(method, path), receive, send)
-    except Exception:  # noqa: BLE001 - Starlette re-raises after sending the 500 response
+    except Exception:
         if not status:
             raise
     return status, b"".join(chunks)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fake_engine import fake_completion_text
 
 
@@ -104,6 +103,7 @@ def test_chat_non_streaming_and_streaming_agree(call, fake_engine):
 
 def test_completion_stream_without_usage_has_no_usage_chunk(call):
     status, raw = call("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2, "stream": True})
+    assert status == 200
     events = _sse_events(raw)
     chunks = [json.loads(e) for e in events[:-1]]
     assert events[-1] == "[DONE]" and all(c["choices"] for c in chunks)

@@ -153,7 +153,7 @@ class EngineCoreClient:
                 return
             try:
                 handler(kind, obj)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+            except Exception:
                 logger.exception("error while handling an engine-core message")
 
     def _mark_dead(self, handler: Handler, reason: str) -> None:

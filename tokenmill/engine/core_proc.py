@@ -137,13 +137,12 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
     steps_since_check = 0
     last_stats = None
     while True:
-        busy = _has_work(core)
-        if not busy:
-            if not poller.poll(_IDLE_POLL_MS):
-                if parent is not None and not parent.is_alive():
-                    logger.info("front end is gone; engine core exits")
-                    return
-                continue
+        # Idle: block for input, waking now and then to check the front end.
+        if not _has_work(core) and not poller.poll(_IDLE_POLL_MS):
+            if parent is not None and not parent.is_alive():
+                logger.info("front end is gone; engine core exits")
+                return
+            continue
         keep_going, aborted = _drain_input(core, in_sock, out_sock)
         if not keep_going:
             return

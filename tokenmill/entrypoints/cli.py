@@ -88,7 +88,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _import_subcommand(module_name: str):  # noqa: ANN202 - a module or None
+def _import_subcommand(module_name: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -23,8 +23,8 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Submission,
     finish_reason_text,
-    stream_error_body,
     sse,
+    stream_error_body,
     token_text,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
