@@ -62,8 +62,11 @@ class LLMEngine:
         return SamplingParams(**get_default_sampling_kwargs(self.model_config))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    add_special_tokens: bool = True) -> None:
+                    add_special_tokens: bool = True, cache_salt: str | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1 becomes n core requests).
+
+        `priority`: smaller runs first under the priority policy. `cache_salt`
+        (or a dict prompt's "cache_salt") isolates its prefix-cache blocks.
 
         Raises:
             ValueError: invalid prompt or parameters, or a duplicate id.
@@ -71,7 +74,7 @@ class LLMEngine:
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already running; use a unique id.")
         request = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                               add_special_tokens=add_special_tokens)
+                                               cache_salt=cache_salt, add_special_tokens=add_special_tokens)
         prompt_text = get_prompt_text(prompt)
         parent, children = make_child_requests(request)
         for index, child in enumerate(children):

@@ -60,7 +60,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate completions for one prompt or a batch.
 
         Args:
@@ -69,7 +69,9 @@ class LLM:
             sampling_params: one for all prompts, one per prompt, or None for
                 `get_default_sampling_params()`.
             use_tqdm: show a progress bar.
-            priority: one int per prompt (smaller first; scheduling_policy="priority").
+            priority: one int for all prompts or one per prompt; smaller runs
+                first under scheduling_policy="priority" (ties by arrival).
+                Prefix-cache isolation: give dict prompts a "cache_salt".
 
         Returns:
             One finished `RequestOutput` per prompt, in input order.
@@ -79,6 +81,8 @@ class LLM:
                 the number of sampling params / priorities does not match.
         """
         prompt_list = _as_prompt_list(prompts)
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            priority = [priority] * len(prompt_list)
         return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
@@ -112,11 +116,13 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self._run(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
-    def _run(self, prompts: list[PromptType], sampling_params: Any, use_tqdm: bool, priority: list[int] | None,
+    def _run(self, prompts: list[PromptType], sampling_params: Any, use_tqdm: bool, priority: Sequence[int] | None,
              add_special_tokens: bool) -> list[RequestOutput]:
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt.")
+        if priority is not None and not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+            raise ValueError(f"Priorities must be integers, got {list(priority)!r}.")
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
