@@ -76,3 +76,21 @@ def test_nccl_multicast_off_unless_user_set_it():
     env = {"NCCL_NVLS_ENABLE": "1"}
     set_nccl_env_defaults(env)
     assert env["NCCL_NVLS_ENABLE"] == "1" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+def test_worker_start_up_error_reaches_the_caller(tmp_path):
+    """A ValueError inside a worker process (here: a checkpoint missing tensors) is raised by LLM(...)
+    with its message, and no worker process is left behind."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from tokenmill import LLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks weights for"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, kv_cache_memory_bytes="8M")
