@@ -200,8 +200,8 @@ def main() -> int:
         print("| TP | start-up s | TTFT ms | TPOT ms | throughput s | output tok/s | total tok/s |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for tp, r in perf.items():
-            print(f"| {tp} | {r['startup_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['throughput_s']:.1f} | "
-                  f"{r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} |")
+            print(f"| {tp} | {r['startup_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | "
+                  f"{r['throughput_s']:.1f} | {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} |")
     ok = bool(perf) or "perf" not in args.phases
     parity = results["parity"]
     if "parity" in args.phases:
@@ -213,7 +213,8 @@ def main() -> int:
             equal, tie, bad, notes = compare_parity(parity[1]["parity"], r["parity"], args.tie_tol)
             ok &= bad == 0
             print(f"\nParity TP={tp} vs TP=1 ({args.parity_dtype}, 8 prompts x 32 greedy tokens): {equal} identical, "
-                  f"{tie} stopped at a near-tie (< {args.tie_tol}), {bad} mismatches -> {'PASS' if bad == 0 else 'FAIL'}")
+                  f"{tie} stopped at a near-tie (< {args.tie_tol}), {bad} mismatches -> "
+                  f"{'PASS' if bad == 0 else 'FAIL'}")
             for n in notes:
                 print("  " + n)
     if args.json_out:

@@ -36,7 +36,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 
         return MultiprocExecutor
     try:
-        import ray  # noqa: F401
+        import ray  # noqa: F401  (only checks that it is installed)
     except ImportError as e:
         raise ValueError("--distributed-executor-backend ray needs the ray package: pip install 'tokenmill[ray]' "
                          "(or pip install ray).") from e

@@ -107,7 +107,7 @@ class ColumnParallelLinear(LinearBase):
                          full_output_size=output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy this rank's rows [tp_rank * shard, (tp_rank + 1) * shard) of the full `[out, in]` (or `[out]`) tensor."""
+        """Copy rows [tp_rank * shard, (tp_rank + 1) * shard) of the full `[out, in]` (or `[out]`) tensor."""
         shard = param.shape[0]
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
