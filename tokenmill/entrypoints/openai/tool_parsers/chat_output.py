@@ -95,6 +95,11 @@ class ChatOutputParser:
         if plan.mode == "auto" and tool_call_parser:
             make_tool_parser(tool_call_parser, tokenizer)  # fail early on a bad name
 
+    def set_prompt_text(self, prompt_text: str | None) -> None:
+        """Note the rendered prompt's tail: a template that opened `<think>` starts the output in reasoning."""
+        if self.reasoning_cls is not None:
+            self.in_reasoning = self.reasoning_cls.starts_in_reasoning(prompt_text)
+
     @property
     def needs_special_tokens(self) -> bool:
         """The format's markers are special tokens: keep them in the detokenized text."""
