@@ -29,6 +29,7 @@ SUBCOMMAND_MODULES = {
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `serve` (the OpenAI-compatible server) with every engine flag."""
     from tokenmill.config import EngineArgs
+    from tokenmill.entrypoints.openai.tool_parsers.agents import add_agent_cli_args
 
     parser = subparsers.add_parser(
         "serve",
@@ -48,6 +49,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    add_agent_cli_args(parser)  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=cmd_serve)
     return parser

@@ -63,7 +63,7 @@ async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | 
 
 
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
 
     Args:
@@ -72,11 +72,13 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         served_model_names: names clients may put in `model` (first = default).
         max_logprobs: largest logprobs/top_logprobs a request may ask for.
         chat_template: server-wide chat template override (file or Jinja text).
+        agent_kwargs: enable_auto_tool_choice, tool_call_parser, reasoning_parser
+            (see tool_parsers/agents.py).
     """
     app = FastAPI(title="tokenmill", version=get_version())
     install_error_handlers(app)
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs)
-    chat = OpenAIServingChat(engine, served_model_names, max_logprobs, chat_template=chat_template)
+    chat = OpenAIServingChat(engine, served_model_names, max_logprobs, chat_template=chat_template, **agent_kwargs)
     app.state.engine = engine
 
     @app.get("/health")
@@ -138,13 +140,16 @@ async def run_server(args: Any) -> int:
 
     from tokenmill.config import EngineArgs
     from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig, agent_kwargs
 
     engine_args = EngineArgs.from_cli_args(args)
+    ChatAgentConfig(**agent_kwargs(args))  # bad tool/reasoning flags fail before the engine starts
     engine = await AsyncLLM.from_engine_args(engine_args, usage="server")
     try:
         mc = engine.model_config
         names = [mc.served_model_name or mc.model or "default"]
-        app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template)
+        app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template,
+                        **agent_kwargs(args))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log)
         server = uvicorn.Server(config)

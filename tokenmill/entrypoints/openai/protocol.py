@@ -13,9 +13,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured_output.request import structured_outputs_from_fields, with_structured_outputs
 
 # Seeds are 64-bit (signed or unsigned) values, as vLLM accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -102,6 +103,13 @@ class _SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     priority: int = 0
     request_id: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -162,6 +170,9 @@ class _SamplingRequest(OpenAIModel):
             # Streams need every step's state; the server computes deltas
             # itself from cumulative outputs. Non-streaming wants one output.
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=with_structured_outputs(None, structured_outputs_from_fields(
+                self.response_format, self.structured_outputs,
+                {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")})),
         )
 
 
@@ -229,6 +240,11 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Set by the chat handler: how this request's output is parsed (tool_parsers.chat_output).
+    _output_parser: Any = PrivateAttr(default=None)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as template input: text parts of list content joined.
@@ -322,6 +338,17 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unused(self, handler: Any) -> dict[str, Any]:
+        # reasoning_content / tool_calls appear only when a parser produced them.
+        d = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if not d.get(key):
+                d.pop(key, None)
+        return d
 
 
 class ChatChoice(BaseModel):

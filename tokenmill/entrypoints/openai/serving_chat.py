@@ -27,15 +27,20 @@ from tokenmill.entrypoints.openai.serving_engine import (
     stream_error_body,
     token_text,
 )
+from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
+from tokenmill.entrypoints.openai.tool_parsers.chat_output import ChoiceStreamer
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):
     """Handler for /v1/chat/completions."""
 
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
+        self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
 
     def start(self, req: ChatCompletionRequest) -> tuple[str, str, Submission]:
         """Validate, render the template, queue; returns (response id, model name, submission).
@@ -51,8 +56,8 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        prompt_ids = self.engine.apply_chat_template(
-            messages, chat_template=req.chat_template or self.chat_template,
+        prompt_ids = self.agents.prepare(
+            self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt, **kwargs)
         response_id = req.request_id or random_id("chatcmpl")
         return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority)
@@ -71,9 +76,9 @@ class OpenAIServingChat(OpenAIServing):
             assert comp is not None, "a finished request always has an output"
             logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0) \
                 if req.logprobs else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=comp.text),
-                                      logprobs=logprobs, finish_reason=finish_reason_text(comp.finish_reason),
-                                      stop_reason=comp.stop_reason))
+            fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(**fields),
+                                      logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason))
         p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
         usage = UsageInfo(prompt_tokens=p, completion_tokens=c_tokens, total_tokens=p + c_tokens)
         return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
@@ -96,10 +101,10 @@ class OpenAIServingChat(OpenAIServing):
             for c in sub.ordered_choices():
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
+            streamers = {c.index: req._output_parser.streamer() for c in sub.ordered_choices()}
             async for out in sub.stream:
                 for choice, comp in sub.record(out):
-                    delta = self._delta_choice(req, choice, comp)
-                    if delta is not None:
+                    for delta in self._delta_choice(req, choice, comp, streamers[choice.index]):
                         yield chunk([delta])
             if include_usage:
                 p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
@@ -110,24 +115,31 @@ class OpenAIServingChat(OpenAIServing):
             sub.stream.close()
         yield SSE_DONE
 
-    def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState,
-                      comp: CompletionOutput) -> dict[str, Any] | None:
+    def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState, comp: CompletionOutput,
+                      streamer: ChoiceStreamer) -> list[dict[str, Any]]:
+        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last."""
         if choice.finished:
-            return None
-        delta = comp.text[choice.num_text_chars:]
+            return []
         logprobs = None
         if req.logprobs:
             new = (comp.logprobs or [])[choice.num_logprobs:]
             logprobs = self._logprobs(new, comp.token_ids[choice.num_logprobs:], req.top_logprobs or 0).model_dump()
             choice.num_logprobs = len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
+        deltas = streamer.update(comp.text, final=finish is not None)
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
-        if not (delta or finish):
-            return None
-        return {"index": choice.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}
+        if not (deltas or finish):
+            return []
+        deltas = deltas or [{}]
+        out = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
+               for d in deltas]
+        out[0]["logprobs"] = logprobs
+        if finish is not None:
+            out[-1]["finish_reason"] = streamer.finish_reason(finish)
+            out[-1]["stop_reason"] = comp.stop_reason
+        return out
 
     def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], num_top: int) -> ChatChoiceLogprobs:
         """Chat logprobs: per token its text, logprob, UTF-8 bytes and the top `num_top` alternatives."""
