@@ -186,7 +186,8 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--tp", str(tp), "--phase", phase, "--result-file", out] + sys.argv[1:]
             print(f"== {phase} TP={tp}", flush=True)
             t0 = time.perf_counter()
-            rc = subprocess.run(cmd, env=os.environ.copy()).returncode
+            # Workers print their time inside execute_model vs waiting for the engine at shutdown.
+            rc = subprocess.run(cmd, env={**os.environ, "TOKENMILL_WORKER_STATS": "1"}).returncode
             if rc != 0:
                 print(f"{phase} TP={tp} failed with exit code {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
                 continue

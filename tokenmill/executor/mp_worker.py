@@ -6,6 +6,10 @@ once the model is loaded; then `(method, args)` in, `("ok", result)` or
 `("error", (exception, traceback text))` out; `("shutdown", ())` ends it.
 Only the output rank returns `execute_model` results (the others send None).
 The process exits when the engine's end of the socket closes.
+
+With env TOKENMILL_WORKER_STATS=1 each worker prints, at shutdown, its mean
+time per step inside `execute_model` and waiting for the engine (to tell
+model time from messaging time in a benchmark).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -42,18 +47,27 @@ def main(fd: int) -> None:
         _reply_error(conn, exc)
         return
     conn.send(("ok", None))
+    stats = os.environ.get("TOKENMILL_WORKER_STATS") == "1"
+    steps, busy_s, idle_s = 0, 0.0, 0.0
     while True:
+        t0 = time.perf_counter()
         try:
             method, args = conn.recv()
         except EOFError:  # the engine went away
             return
         if method == "shutdown":
+            if stats and steps:
+                print(f"(worker rank={rank}) {steps} steps: execute_model {busy_s / steps * 1e3:.2f} ms/step, "
+                      f"waiting for the engine {idle_s / steps * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
             return
+        t1 = time.perf_counter()
         try:
             result = getattr(worker, method)(*args)
         except Exception as exc:  # noqa: BLE001
             _reply_error(conn, exc)
             return
+        if method == "execute_model":
+            steps, busy_s, idle_s = steps + 1, busy_s + time.perf_counter() - t1, idle_s + t1 - t0
         if method == "execute_model" and rank != output_rank:
             result = None  # only the output rank's result is used; skip pickling the rest
         conn.send(("ok", result))
