@@ -40,7 +40,10 @@ from tokenmill.attention.metadata import AttentionMetadata
 @dataclass(slots=True)
 class _Tile:
     block_ids: torch.Tensor  # [B * nbt] int64 physical blocks, row-major over (row, block)
-    bias: torch.Tensor  # [B, 1, 1, Q, T] float32: 0 where visible, -inf where masked
+    # [B, 1, 1, Q, T] float32: 0 where visible, -inf where masked; None when every key of
+    # the tile is visible to every query (tiles wholly before a chunk need no mask, so a
+    # long context costs no [Q, context] mask, only masks of the tiles it overlaps).
+    bias: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -210,11 +213,18 @@ def _plan_tiles(
     qpos_t = torch.from_numpy(qpos).to(device, non_blocking=True)
     offsets = torch.arange(block_size, device=device)
     tiles = []
+    q_min, q_max = int(qpos.min()), int(qpos.max())
     for t0 in range(0, nb, tile_blocks):
         idx = idx_all[:, t0 : t0 + tile_blocks]  # [B, nbt]
         ntok = idx.shape[1] * block_size
         # Logical index past the table's width only occurs for masked keys; clamp to stay in bounds.
         ids = torch.gather(block_rows, 1, idx.clamp(max=width - 1)).flatten().long()
+        # Host-side check (NumPy, no sync): the tile's keys span [k_min, k_max].
+        k_min = int(block_idx[:, t0 : t0 + tile_blocks].min()) * block_size
+        k_max = (int(block_idx[:, t0 : t0 + tile_blocks].max()) + 1) * block_size - 1
+        if k_max <= q_min and (window is None or k_min > q_max - window):
+            tiles.append(_Tile(ids, None))
+            continue
         kpos = (idx[:, :, None] * block_size + offsets).reshape(bsz, ntok)  # [B, T]
         visible = kpos[:, None, :] <= qpos_t[:, :, None]  # [B, Q, T]
         if window is not None:
@@ -303,9 +313,10 @@ def _tile_scores(q_flat, kv_cache, tile, scale, cap):
         s = torch.tanh(s * (scale / cap)) * cap
     else:
         s = s * scale
-    ntok = s.shape[-1]
-    qlen = tile.bias.shape[3]
-    s = (s.view(bsz, num_kv_heads, rows // qlen, qlen, ntok) + tile.bias).view(bsz, num_kv_heads, rows, ntok)
+    if tile.bias is not None:
+        ntok = s.shape[-1]
+        qlen = tile.bias.shape[3]
+        s = (s.view(bsz, num_kv_heads, rows // qlen, qlen, ntok) + tile.bias).view(bsz, num_kv_heads, rows, ntok)
     return s, v
 
 
