@@ -89,6 +89,11 @@ def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_t
         in_sock.close(linger=0)
         out_sock.close()
         ctx.term()
+        logger.info("engine core stopped")
+        logging.shutdown()
+        # Library threads and atexit hooks (torch, loaders) can hold a normal
+        # interpreter exit for seconds; nothing is left to clean up here.
+        os._exit(0)
 
 
 def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket, core_class: str) -> Any | None:

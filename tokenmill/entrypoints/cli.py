@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -100,8 +101,14 @@ def _import_subcommand(module_name: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point (`tokenmill ...`). Returns the exit code."""
+    """Console-script entry point (`tokenmill ...`). Returns the exit code.
+
+    Args:
+        argv: the arguments after `tokenmill`; None reads `sys.argv`, and then
+            a server that has stopped exits the process at once (see below).
+    """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMAND_MODULES:
         module = _import_subcommand(SUBCOMMAND_MODULES[argv[0]][0])
@@ -112,7 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if from_command_line and args.func is cmd_serve:
+        # Everything is shut down; tearing down torch and transformers at
+        # interpreter exit would keep a stopped server alive for seconds.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
