@@ -309,10 +309,11 @@ def _tile_scores(q_flat, kv_cache, tile, scale, cap):
     s = torch.stack([torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1)
     if s.dtype != torch.float32:
         s = s.float()
+    # In place: s is this function's own tensor, and each copy would be another [R, tile].
     if cap is not None:
-        s = torch.tanh(s * (scale / cap)) * cap
+        s = s.mul_(scale / cap).tanh_().mul_(cap)
     else:
-        s = s * scale
+        s = s.mul_(scale)
     if tile.bias is not None:
         ntok = s.shape[-1]
         qlen = tile.bias.shape[3]
@@ -351,7 +352,7 @@ def _attend(
         m_new = tile_max if m is None else torch.maximum(m, tile_max)
         # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp gives 0, not NaN.
         m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
-        p = torch.exp(s - m_safe[..., None])
+        p = s.sub_(m_safe[..., None]).exp_()  # in place: one [B, Hkv, R, tile] tensor per tile
         pv = _pv(p, v)
         if m is None:
             l, acc = p.sum(dim=-1), pv
@@ -360,5 +361,6 @@ def _attend(
             l = l * corr + p.sum(dim=-1)
             acc = acc * corr[..., None] + pv
         m = m_new
+        del s, p, v  # free this tile's scores before the next tile's are built
     assert acc is not None and l is not None, "every request has at least one key"
     return (acc / l[..., None]).view(q.shape).to(q.dtype)
