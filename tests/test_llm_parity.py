@@ -68,11 +68,14 @@ def prompts(llm):
 @pytest.fixture(scope="module")
 def hf_reference(hf_smollm2, prompts):
     """Per prompt: (greedy token ids [32], gap between the two best logits at each position [32])."""
+    from transformers import DynamicCache
+
     model, _ = hf_smollm2
     refs = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model(torch.tensor([ids]), use_cache=True)
+            cache = DynamicCache(config=model.config)  # filled in place by each forward
+            out = model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
             tokens, gaps = [], []
             for _ in range(NUM_TOKENS):
                 logits = out.logits[0, -1].float()
@@ -80,7 +83,7 @@ def hf_reference(hf_smollm2, prompts):
                 tok = int(torch.argmax(logits))
                 tokens.append(tok)
                 gaps.append(float(top2[0] - top2[1]))
-                out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(torch.tensor([[tok]]), cache=cache, use_cache=True)
             refs.append((tokens, gaps))
     return refs
 
