@@ -119,3 +119,21 @@ def test_dummy_weights_are_the_same_model_at_any_tp(monkeypatch):
             p_ref.weight_loader(p_ref, p_full.data)
         for (name, a), (_, b) in zip(shard.named_parameters(), ref.named_parameters()):
             assert torch.equal(a, b), name
+
+
+def test_fused_moe_dummy_weights_are_the_same_model_at_any_tp(monkeypatch):
+    from tokenmill.layers.fused_moe import layer as moe_mod
+
+    def build(rank, size):
+        monkeypatch.setattr(moe_mod, "get_tensor_model_parallel_rank", lambda: rank)
+        monkeypatch.setattr(moe_mod, "get_tensor_model_parallel_world_size", lambda: size)
+        m = nn.Module()
+        m.experts = moe_mod.FusedMoE(num_experts=3, top_k=2, hidden_size=8, intermediate_size=6, renormalize=True)
+        initialize_dummy_weights(m, seed=5)
+        return m.experts
+
+    full = build(0, 1)
+    x, logits = _rand(4, 8, seed=1), _rand(4, 3, seed=2)
+    ref = full(x, logits)
+    partial = sum(build(r, 2)(x, logits) for r in range(2))  # reduce_results is a no-op without a group
+    torch.testing.assert_close(partial, ref)

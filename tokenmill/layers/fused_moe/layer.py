@@ -85,8 +85,11 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_p, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # Unsharded shapes (stacked experts), for loaders that draw full tensors (dummy weights).
+        self.w13_weight.full_shape = (num_experts, 2 * intermediate_size, hidden_size)
+        self.w2_weight.full_shape = (num_experts, hidden_size, intermediate_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
         """Copy this rank's slice of a full checkpoint tensor into `param`.
 
@@ -96,12 +99,15 @@ class FusedMoE(nn.Module):
                 (w2 down) with `expert_id`; or all experts stacked (`[E, I, H]`,
                 `[E, H, I]`, or HF 5's `gate_up_proj [E, 2I, H]` with shard_id
                 "w13") with expert_id None.
-            shard_id: "w1", "w3", "w2" or "w13".
+            shard_id: "w1", "w3", "w2" or "w13"; None = the whole stacked
+                parameter ("w13" for w13_weight, "w2" for w2_weight).
 
         Raises:
             ValueError: an unknown shard_id or a shape that does not fit.
         """
         i_p, rank = self.intermediate_size_per_partition, self.tp_rank
+        if shard_id is None:
+            shard_id = "w13" if param is self.w13_weight else "w2"
         if expert_id is None:
             experts = range(self.num_experts)
             if loaded_weight.shape[0] != self.num_experts:
