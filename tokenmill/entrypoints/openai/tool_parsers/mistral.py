@@ -88,7 +88,7 @@ class MistralToolParser(ToolParser):
             name = segment[:sep].strip()
             args = segment[sep + len(ARGS):]
             a = args.lstrip()
-            if not name or (a and a[0] != "{"):
+            if not name or not _could_be_name(name) or (a and a[0] != "{"):
                 out.failed = True
                 return
             if not a:
