@@ -18,31 +18,31 @@ WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "param
 CASES = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      [("get_weather", {"city": "Paris"})], None),
-    ("hermes", 'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"CH\\"", '
+    ("hermes", ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"CH\\"", '
                '"note": "a }{ brace"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "日本"}}'
-               "\n</tool_call>",
+               "\n</tool_call>"),
      [("get_weather", {"city": 'Zürich "CH"', "note": "a }{ brace"}), ("get_time", {"tz": "日本"})],
      "Let me check both."),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', [("f", {})], None),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+    ("qwen3_coder", ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n"
-                    "</tool_call>",
+                    "</tool_call>"),
      [("get_weather", {"city": "São Paulo", "days": 3, "metric": True})], None),
-    ("qwen3_coder", 'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nsay "hi"\nline 2\n</parameter>\n'
+    ("qwen3_coder", ('Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nsay "hi"\nline 2\n</parameter>\n'
                     '<parameter=extra>\n{"a": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
-                    "<function=get_time>\n<parameter=tz>\n+09:00\n</parameter>\n</function>\n</tool_call>",
+                    "<function=get_time>\n<parameter=tz>\n+09:00\n</parameter>\n</function>\n</tool_call>"),
      [("get_weather", {"city": 'say "hi"\nline 2', "extra": {"a": [1, 2]}}), ("get_time", {"tz": "+09:00"})],
      "Sure."),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})],
      None),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Köln \\"DE\\""}}; '
-                    '{"name": "get_time", "parameters": {"tz": "CET"}}',
+    ("llama3_json", ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Köln \\"DE\\""}}; '
+                    '{"name": "get_time", "parameters": {"tz": "CET"}}'),
      [("get_weather", {"city": 'Köln "DE"'}), ("get_time", {"tz": "CET"})], None),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+    ("mistral", ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]'),
      [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})], None),
-    ("mistral", 'I will call it.[TOOL_CALLS]get_weather[ARGS]{"city": "Montréal", "q": "a]b"}'
-                '[TOOL_CALLS]get_time[ARGS]{}',
+    ("mistral", ('I will call it.[TOOL_CALLS]get_weather[ARGS]{"city": "Montréal", "q": "a]b"}'
+                '[TOOL_CALLS]get_time[ARGS]{}'),
      [("get_weather", {"city": "Montréal", "q": "a]b"}), ("get_time", {})], "I will call it."),
 ]
 
