@@ -152,6 +152,23 @@ def test_completion_stream_equals_non_stream(client, model, tokenizer):
     assert full.usage.prompt_tokens == len(tokenizer.encode(prompt))
 
 
+def test_stop_string_cuts_the_text_the_same_way_in_both_modes(client, model):
+    kwargs = {"model": model, "messages": CAPITAL, "temperature": 0, "max_tokens": 24, "stop": ["Paris"]}
+    full = client.chat.completions.create(**kwargs)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                   if c.choices)
+    assert full.choices[0].finish_reason == "stop"
+    assert "Paris" not in full.choices[0].message.content and full.choices[0].message.content
+    assert text == full.choices[0].message.content
+
+
+def test_n_choices_with_a_seed(client, model):
+    res = client.completions.create(model=model, prompt="My favourite animal is", max_tokens=5, n=3, seed=1,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in res.choices) == [0, 1, 2]
+    assert res.usage.completion_tokens == 15
+
+
 def test_32_concurrent_requests_are_batched_with_correct_usage(client, model, server, tokenizer):
     prompts = [f"Request {i}: write a number between {i} and {i + 100}:" for i in range(32)]
     max_tokens = 6
