@@ -32,6 +32,26 @@ def find_bundled_gguf() -> str:
     raise FileNotFoundError("SmolLM2 GGUF not found; pass --gguf PATH")
 
 
+def add_legacy_keys(config_path: str) -> None:
+    """Also write the transformers 4.x spellings (`rope_theta`, `torch_dtype`).
+
+    transformers 5 saves the rope base only inside `rope_parameters`; a peer
+    that pins transformers 4.x would silently fall back to rope_theta 10000
+    and generate garbage.
+    """
+    import json
+
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -60,6 +80,7 @@ def main() -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    add_legacy_keys(os.path.join(args.out, "config.json"))
     print(f"wrote {args.out} from {gguf}")
 
 

@@ -29,9 +29,9 @@ EOS_IDS = (0, 2)
 
 def rel(path: Path | str) -> str:
     """`path` relative to the repository root when it lies inside it."""
-    p = Path(path)
+    p = Path(os.path.abspath(path))  # not resolve(): a venv's python is a symlink that must stay one
     try:
-        return str(p.resolve().relative_to(ROOT))
+        return str(p.relative_to(ROOT))
     except ValueError:
         return str(p)
 

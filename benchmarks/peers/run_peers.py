@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import ALL_PEERS, HF_MODEL, MAX_MODEL_LEN, ROOT, TOKENMILL_PY, VENVS, Peer, rel  # noqa: E402
 
+sys.path.insert(0, str(ROOT))  # tokenmill's dataset sampler, for the offline floor's prompts
+
 READY_TIMEOUT_S = 900.0
 QUESTION = "What is the capital of France?"
 
