@@ -1,0 +1,225 @@
+"""Structured output: spec checks, request fields, the bitmask, and the engine-core manager's loop.
+
+The manager tests drive a real xgrammar matcher over SmolLM2's tokenizer with
+random "logits": whatever the logits, masked sampling must produce text
+that matches the grammar and finishes on EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
+from tokenmill.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Request,
+)
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.backend import GrammarBackend
+from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows, unpack_bitmask
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.request import structured_outputs_from_fields
+from tokenmill.structured_output.spec import get_spec, validate_structured_outputs
+
+VOCAB = 49152
+EOS = 2
+
+
+# ---------------------------------------------------------------- spec and request fields
+
+
+@pytest.mark.parametrize("bad", [
+    {"structured_outputs": {"json": {"type": "objekt"}}},
+    {"structured_outputs": {"json": "{not json"}},
+    {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": 5}}}}},
+    {"structured_outputs": {"regex": "a(b"}},
+    {"structured_outputs": {"grammar": "root ::= (\"a\""}},
+    {"structured_outputs": {"choice": []}},
+    {"structured_outputs": {"choice": ["a"], "regex": "b"}},
+    {"structured_outputs": "json"},
+])
+def test_invalid_specs_are_value_errors(bad):
+    with pytest.raises(ValueError):
+        validate_structured_outputs(bad)
+
+
+def test_spec_kinds_and_key_keeps_property_order():
+    spec = get_spec({"structured_outputs": {"json": {"properties": {"z": {}, "a": {}}, "type": "object"}}})
+    assert spec.kind == "json" and list(json.loads(spec.value)["properties"]) == ["z", "a"]
+    assert get_spec({"structured_outputs": {"choice": ["x", "y"]}}).choices() == ["x", "y"]
+    assert get_spec(None) is None and get_spec({"other": 1}) is None
+    assert validate_structured_outputs({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}).kind == "grammar"
+    assert validate_structured_outputs({"structured_outputs": {"grammar": 'start: "a" | "b"'}}).kind == "grammar"
+
+
+def test_response_format_conversion():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert structured_outputs_from_fields(rf) == {"json": schema}
+    assert structured_outputs_from_fields({"type": "json_object"}) == {"json_object": True}
+    assert structured_outputs_from_fields({"type": "text"}) is None
+    assert structured_outputs_from_fields(None, None, {"guided_regex": "[0-9]+"}) == {"regex": "[0-9]+"}
+    with pytest.raises(ValueError, match="one way only"):
+        structured_outputs_from_fields({"type": "json_object"}, {"regex": "a"})
+    with pytest.raises(ValueError, match="response_format.type"):
+        structured_outputs_from_fields({"type": "xml"})
+    with pytest.raises(ValueError, match="JSON schema"):
+        structured_outputs_from_fields({"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": 3}}})
+
+
+# ---------------------------------------------------------------- bitmask
+
+
+def test_unpack_matches_xgrammar_apply():
+    rng = np.random.default_rng(0)
+    v = 100
+    bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, 4), dtype=np.int64).astype(np.int32)
+    logits = torch.randn(5, v)
+    ours = logits.clone()
+    apply_grammar_bitmask(ours, torch.from_numpy(bitmask), torch.tensor([4, 0, 2]))
+    ref = logits.clone()
+    full = np.full((5, 4), -1, np.int32)  # xgrammar indexes logits and bitmask rows alike
+    full[[4, 0, 2]] = bitmask
+    xgr.apply_token_bitmask_inplace(ref, torch.from_numpy(full), vocab_size=v)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref)) and torch.equal(ours, ref)
+    assert torch.equal(ours[1], logits[1]) and torch.equal(ours[3], logits[3])
+    # word 5 = 0b101: tokens 0 and 2 allowed, 1 not.
+    assert unpack_bitmask(torch.tensor([[5]], dtype=torch.int32), 3).tolist() == [[True, False, True]]
+
+
+def test_grammar_rows_pick_sampling_requests_only():
+    so = SchedulerOutput([], CachedRequestData(), {"a": 1, "b": 5, "c": 1}, 7)
+    so.structured_output_request_ids = {"c": 0, "b": 1}
+    so.grammar_bitmask = np.array([[1], [2]], np.int32)
+    bitmask, rows = grammar_rows(so, ["a", "c"], torch.device("cpu"))  # "b" is a partial prefill: no sample
+    assert rows.tolist() == [1] and bitmask.tolist() == [[1]]
+    assert grammar_rows(so, ["a"], torch.device("cpu")) is None
+
+
+# ---------------------------------------------------------------- the manager loop
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_gguf):
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_gguf)
+    return tok, GrammarBackend(tok, VOCAB, [EOS])
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def finish_requests(self, ids, status) -> None:
+        self.finished += ids
+
+
+def _manager(backend) -> StructuredOutputManager:
+    cfg = SimpleNamespace(model_config=None, scheduler_config=SimpleNamespace(max_num_seqs=8))
+    return StructuredOutputManager(cfg, backend_factory=lambda: backend)
+
+
+def _request(req_id: str, so: dict, max_tokens: int = 120) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, extra_args={"structured_outputs": so})
+    return Request(EngineCoreRequest(req_id, [1, 2, 3], params), max_tokens)
+
+
+def _run(backend, specs: dict[str, dict], seed: int = 0, max_steps: int = 150) -> dict[str, list[int]]:
+    """Drive the manager like EngineCore.step does, sampling from random logits masked by its bitmask."""
+    _, be = backend
+    mgr = _manager(be)
+    for rid, so in specs.items():
+        req = _request(rid, so)
+        mgr.submit(req, mgr.spec_of(req))
+    admitted: list[str] = []
+    while mgr.has_pending():
+        ready, failed = mgr.pop_ready(wait=True)
+        assert failed == []
+        admitted += [r.request_id for r in ready]
+    assert sorted(admitted) == sorted(specs)
+    gen = torch.Generator().manual_seed(seed)
+    tokens: dict[str, list[int]] = {r: [] for r in specs}
+    live = list(specs)
+    sched = _Scheduler()
+    for _ in range(max_steps):
+        if not live:
+            break
+        so = SchedulerOutput([], CachedRequestData(), {r: 1 for r in live}, len(live))
+        mgr.fill_bitmask(so)
+        logits = torch.randn(len(live), VOCAB, generator=gen) * 3
+        mask, rows = grammar_rows(so, live, torch.device("cpu"))
+        apply_grammar_bitmask(logits, mask, rows)
+        picked = logits.argmax(-1).tolist()
+        outs = []
+        for rid, tok in zip(live, picked):
+            tokens[rid].append(tok)
+            # The scheduler finishes a request on EOS (a stop token).
+            outs.append(EngineCoreOutput(rid, [tok], finish_reason=FinishReason.STOP if tok == EOS else None))
+        mgr.accept_outputs(EngineCoreOutputs(outs), sched)
+        live = [r for r, o in zip(live, outs) if o.finish_reason is None]
+    assert not live, "a constrained request did not finish"
+    return tokens
+
+
+def test_masked_random_sampling_always_matches(backend):
+    tok, _ = backend
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 50},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "maxItems": 2}},
+        "required": ["name", "n", "tags"]}
+    specs = {"json": {"json": schema}, "regex": {"regex": r"[a-c]{2}-\d{2}"},
+             "choice": {"choice": ["alpha", "beta", "gamma delta"]},
+             "ebnf": {"grammar": 'root ::= "(" [0-9]+ ")"'}}
+    for seed in range(2):
+        tokens = _run(backend, specs, seed)
+        texts = {r: tok.decode([t for t in ids if t != EOS]) for r, ids in tokens.items()}
+        assert all(ids[-1] == EOS for ids in tokens.values())
+        jsonschema.validate(json.loads(texts["json"]), schema)
+        assert re.fullmatch(r"[a-c]{2}-\d{2}", texts["regex"])
+        assert texts["choice"] in ("alpha", "beta", "gamma delta")
+        assert re.fullmatch(r"\(\d+\)", texts["ebnf"])
+
+
+def test_terminated_grammar_finishes_without_eos_in_stop_ids(backend):
+    _, be = backend
+    mgr = _manager(be)
+    req = _request("r", {"choice": ["ab"]})
+    mgr.submit(req, mgr.spec_of(req))
+    while mgr.has_pending():
+        mgr.pop_ready(wait=True)
+    sched = _Scheduler()
+    m = mgr.matchers["r"]
+    assert m.accept_string("ab")
+    out = EngineCoreOutput("r", [EOS])
+    mgr.accept_outputs(EngineCoreOutputs([out]), sched)
+    assert sched.finished == ["r"] and out.finish_reason is not None and "r" not in mgr.matchers
+
+
+def test_rejected_token_stops_the_request_and_abort_forgets(backend):
+    tok, be = backend
+    mgr = _manager(be)
+    for rid in ("a", "b"):
+        req = _request(rid, {"regex": "[0-9]+"})
+        mgr.submit(req, mgr.spec_of(req))
+    mgr.abort(["b"])
+    while mgr.has_pending():
+        mgr.pop_ready(wait=True)
+    assert set(mgr.matchers) == {"a"}
+    sched = _Scheduler()
+    letter = tok.encode("x", add_special_tokens=False)[0]
+    out = EngineCoreOutput("a", [letter])
+    mgr.accept_outputs(EngineCoreOutputs([out]), sched)
+    assert sched.finished == ["a"] and out.finish_reason is not None
