@@ -66,6 +66,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that matched
     num_cached_tokens: int = 0
+    # Set on a request's first output only: when the scheduler first admitted
+    # it (time.time() in the core; queue time = scheduled_time - arrival_time).
+    scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +128,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.scheduled_time: float | None = None  # first admission (time.time()), for queue-time metrics
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []

@@ -228,6 +228,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -338,6 +339,8 @@ class Scheduler:
                 finish_reason=request.get_finished_reason() if stopped else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                # First output of the request: report when it left the queue.
+                scheduled_time=request.scheduled_time if request.num_output_tokens == len(new_token_ids) else None,
             )
             lp = mro.logprobs
             if lp is not None and index < len(lp.logprob_token_ids) and lp.logprob_token_ids[index]:
