@@ -82,29 +82,32 @@ def test_response_format_conversion():
 # ---------------------------------------------------------------- bitmask
 
 
-def test_unpack_matches_xgrammar_apply():
+def test_mask_apply_matches_xgrammar_kernel_and_torch_fallback():
     rng = np.random.default_rng(0)
     v = 100
-    bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, 4), dtype=np.int64).astype(np.int32)
+    bitmask = torch.from_numpy(rng.integers(-(2**31), 2**31 - 1, size=(5, 4), dtype=np.int64).astype(np.int32))
     logits = torch.randn(5, v)
-    ours = logits.clone()
-    apply_grammar_bitmask(ours, torch.from_numpy(bitmask), torch.tensor([4, 0, 2]))
-    ref = logits.clone()
-    full = np.full((5, 4), -1, np.int32)  # xgrammar indexes logits and bitmask rows alike
-    full[[4, 0, 2]] = bitmask
-    xgr.apply_token_bitmask_inplace(ref, torch.from_numpy(full), vocab_size=v)
-    assert torch.equal(torch.isinf(ours), torch.isinf(ref)) and torch.equal(ours, ref)
-    assert torch.equal(ours[1], logits[1]) and torch.equal(ours[3], logits[3])
+    rows = [4, 0, 2]
+    fast, slow = logits.clone(), logits.clone()
+    apply_grammar_bitmask(fast, bitmask, torch.tensor(rows), rows)  # xgrammar's kernel
+    apply_grammar_bitmask(slow, bitmask, torch.tensor(rows))  # pure torch
+    assert torch.equal(fast, slow)
+    # Reference from the bits themselves: token t of row r is allowed iff bit t % 32 of word t // 32 is set.
+    words = bitmask.numpy().astype(np.int64) & 0xFFFFFFFF
+    for r in range(5):
+        for t in range(v):
+            allowed = r not in rows or (words[r, t // 32] >> (t % 32)) & 1
+            assert (slow[r, t] == logits[r, t]) if allowed else slow[r, t] == float("-inf")
     # word 5 = 0b101: tokens 0 and 2 allowed, 1 not.
     assert unpack_bitmask(torch.tensor([[5]], dtype=torch.int32), 3).tolist() == [[True, False, True]]
 
 
-def test_grammar_rows_pick_sampling_requests_only():
+def test_grammar_rows_align_with_sampling_rows():
     so = SchedulerOutput([], CachedRequestData(), {"a": 1, "b": 5, "c": 1}, 7)
     so.structured_output_request_ids = {"c": 0, "b": 1}
     so.grammar_bitmask = np.array([[1], [2]], np.int32)
-    bitmask, rows = grammar_rows(so, ["a", "c"], torch.device("cpu"))  # "b" is a partial prefill: no sample
-    assert rows.tolist() == [1] and bitmask.tolist() == [[1]]
+    bitmask, rows, rows_list = grammar_rows(so, ["a", "c"], torch.device("cpu"))  # "b": partial prefill, no sample
+    assert rows_list == [1] and rows.tolist() == [1] and bitmask.tolist() == [[-1], [1]]
     assert grammar_rows(so, ["a"], torch.device("cpu")) is None
 
 
@@ -160,8 +163,7 @@ def _run(backend, specs: dict[str, dict], seed: int = 0, max_steps: int = 150) -
         so = SchedulerOutput([], CachedRequestData(), {r: 1 for r in live}, len(live))
         mgr.fill_bitmask(so)
         logits = torch.randn(len(live), VOCAB, generator=gen) * 3
-        mask, rows = grammar_rows(so, live, torch.device("cpu"))
-        apply_grammar_bitmask(logits, mask, rows)
+        apply_grammar_bitmask(logits, *grammar_rows(so, live, torch.device("cpu")))
         picked = logits.argmax(-1).tolist()
         outs = []
         for rid, tok in zip(live, picked):
