@@ -186,10 +186,10 @@ class ModelRunner:
         return None
 
     def _sample(self, hidden: torch.Tensor | None, logits_indices: torch.Tensor, metadata, num_rows: int,
-                grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+                grammar: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> SamplerOutput:
         """Logits and sampling on the last stage; with several ranks every rank gets the output rank's ids.
 
-        `grammar` (bitmask, logits rows): structured-output masks applied to the logits before sampling.
+        `grammar` (bitmask, logits rows, rows list): structured-output masks applied to the logits before sampling.
         """
         assert self.model is not None
         out = None
