@@ -25,7 +25,9 @@ def test_completion_maps_openai_and_vllm_fields():
 
 
 def test_default_max_tokens_per_endpoint_and_generation_config_defaults():
-    assert CompletionRequest(prompt="x").to_sampling_params().max_tokens == 16
+    # The rule (docs/server.md): omitted or null max_tokens is the rest of the context on both endpoints.
+    assert CompletionRequest(prompt="x").to_sampling_params().max_tokens is None
+    assert CompletionRequest(prompt="x", max_tokens=None).to_sampling_params().max_tokens is None
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     assert chat.to_sampling_params().max_tokens is None  # rest of the context
     gen = {"temperature": 0.6, "top_p": 0.95, "max_tokens": 99}

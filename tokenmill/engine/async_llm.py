@@ -65,6 +65,9 @@ class AsyncLLM:
         self.default_sampling_kwargs: dict[str, Any] = get_default_sampling_kwargs(self.model_config)
         self.client = client if client is not None else EngineCoreClient(engine_config)
         self.scheduler_stats: SchedulerStats | None = None
+        # Optional metrics sink (entrypoints/openai/metrics.ServerMetrics): fed
+        # scheduler stats, per-step token timings, finishes and aborts.
+        self.stats_observer: Any = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
 
     @classmethod
@@ -105,10 +108,16 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return int(self.model_config.max_model_len)
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.hf_config.vocab_size)
+
     async def check_health(self) -> None:
-        """Raises EngineDeadError when the core process is gone."""
+        """Raises EngineDeadError when the core process is gone or the task reading its outputs has stopped."""
         if not self.client.is_alive:
             raise EngineDeadError(self.client.dead_reason or "The engine core process is not running.")
+        if not self.client.reader_running:
+            raise EngineDeadError("The front end stopped reading the engine core's outputs.")
 
     def get_scheduler_stats(self) -> SchedulerStats | None:
         """The most recent `SchedulerStats` from the core (None before any step)."""
@@ -195,8 +204,30 @@ class AsyncLLM:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort running requests (unknown ids are ignored); frees their blocks in the core."""
         ids = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
-        if ids:
-            self.client.abort_requests(self.output_processor.abort_requests(ids))
+        if not ids:
+            return
+        observer = self.stats_observer
+        if observer is not None:
+            states = self.output_processor.request_states
+            candidates = {rid: states.get(rid) for rid in ids}
+            for rid in ids:  # n > 1 parents: their children's states
+                for cid in self.output_processor.parent_children.get(rid, ()):
+                    candidates[cid] = states.get(cid)
+        core_ids = self.output_processor.abort_requests(ids)
+        if observer is not None:
+            observer.observe_aborted([candidates[c] for c in core_ids if candidates.get(c) is not None])
+        self.client.abort_requests(core_ids)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (shutdown after the grace period). Returns how many."""
+        ids = list(self._queues)
+        self.abort_requests(ids)
+        return len(ids)
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """User requests that have not finished yet (each n > 1 request counts once)."""
+        return len(self._queues)
 
     def _on_message(self, kind: bytes, obj: Any) -> None:
         """Reader-task callback: route one core message (see `serial.MessageKind`)."""
@@ -220,11 +251,18 @@ class AsyncLLM:
             logger.warning("front end ignores engine-core message %r", kind)
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        observer = self.stats_observer
         if outputs.scheduler_stats is not None:
             self.scheduler_stats = outputs.scheduler_stats
+            if observer is not None:
+                observer.observe_scheduler_stats(outputs.scheduler_stats)
         if not outputs.outputs:
             return
+        seen = observer.observe_core_outputs(outputs, self.output_processor.request_states) \
+            if observer is not None else None
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs)
+        if seen:
+            observer.observe_processed(seen)
         for out in request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

@@ -127,6 +127,11 @@ class EngineCoreClient:
                 self.shutdown()
                 raise EngineStartupError(f"The engine core did not become ready within {timeout_s:.0f} s.")
 
+    @property
+    def reader_running(self) -> bool:
+        """False once the reader task has ended (or before `start_reader`)."""
+        return self._reader is not None and not self._reader.done()
+
     def start_reader(self, handler: Handler) -> None:
         """Start the task that feeds every core message to `handler(kind, obj)`.
 

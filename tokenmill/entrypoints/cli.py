@@ -30,13 +30,14 @@ SUBCOMMAND_MODULES = {
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `serve` (the OpenAI-compatible server) with every engine flag."""
     from tokenmill.config import EngineArgs
+    from tokenmill.entrypoints.openai.api_server import add_server_cli_args
     from tokenmill.entrypoints.openai.tool_parsers.agents import add_agent_cli_args
 
     parser = subparsers.add_parser(
         "serve",
         help="Start the OpenAI-compatible HTTP server.",
         description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health). Defaults marked 'CPU ... / GPU ...' depend on the device found.",
+                    "/v1/models, /tokenize, /detokenize, /health, /metrics) and Ollama's (/api/chat, /api/generate, ...). Defaults marked 'CPU ... / GPU ...' depend on the device found.",
     )
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="A local folder, a .gguf file, a Hugging Face repo id, or 'modelscope:<id>' "
@@ -45,11 +46,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="Address to listen on. The default only accepts local clients; use 0.0.0.0 to expose "
-                        "the server to the network (it has no authentication). Default 127.0.0.1.")
+                        "the server to the network (set --api-key then). Default 127.0.0.1.")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    add_server_cli_args(g)  # --api-key, --max-request-body-bytes, --metrics-vllm-names, --shutdown-timeout
     add_agent_cli_args(parser)  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=cmd_serve)

@@ -1,11 +1,14 @@
 """OpenAI-style error responses and the app's exception handlers.
 
-Every error body is `{"error": {"message", "type", "param", "code"}}`.
+Every error body is `{"error": {"message", "type", "param", "code"}}`; under
+/api/ (the Ollama routes) it is Ollama's `{"error": "<message>"}`.
 Mapping (what a client did -> status):
 
     malformed JSON, wrong field types (RequestValidationError)  -> 400
     a value out of range, prompt too long (ValueError)          -> 400
     unknown model name (ModelNotFoundError)                     -> 404
+    missing / wrong API key (auth.py)                           -> 401
+    body too large / not JSON (request_guard.py)                -> 413 / 415
     engine core process dead (EngineDeadError)                  -> 503
     anything else (a bug)                                       -> 500, logged;
                                                                    the server keeps serving
@@ -59,6 +62,13 @@ def error_response(message: str, status: int, **kwargs: Any) -> JSONResponse:
     return JSONResponse(error_body(message, status, **kwargs), status_code=status)
 
 
+def _respond(request: Request, message: str, status: int, **kwargs: Any) -> JSONResponse:
+    """`error_response`, or Ollama's `{"error": message}` for the Ollama routes (/api/*)."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": message}, status_code=status)
+    return error_response(message, status, **kwargs)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence (and the field name) from pydantic's error list."""
     errors = exc.errors()
@@ -81,28 +91,28 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(message, HTTPStatus.BAD_REQUEST, param=param)
+        return _respond(request, message, HTTPStatus.BAD_REQUEST, param=param)
 
     @app.exception_handler(ValueError)
     async def _on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc) or "Invalid request.", HTTPStatus.BAD_REQUEST)
+        return _respond(request, str(exc) or "Invalid request.", HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(ModelNotFoundError)
     async def _on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return error_response(str(exc), HTTPStatus.NOT_FOUND, param="model", code="model_not_found")
+        return _respond(request, str(exc), HTTPStatus.NOT_FOUND, param="model", code="model_not_found")
 
     @app.exception_handler(EngineDeadError)
     async def _on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+        return _respond(request, f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return error_response(message, status, err_type="invalid_request_error" if status < 500 else None)
+        return _respond(request, message, status, err_type="invalid_request_error" if status < 500 else None)
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving %s %s", request.method, request.url.path)
-        return error_response(f"Internal server error: {type(exc).__name__}: {exc}",
+        return _respond(request, f"Internal server error: {type(exc).__name__}: {exc}",
                               HTTPStatus.INTERNAL_SERVER_ERROR)

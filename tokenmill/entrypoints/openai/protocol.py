@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
@@ -20,8 +20,18 @@ from tokenmill.structured_output.request import structured_outputs_from_fields, 
 
 # Seeds are 64-bit (signed or unsigned) values, as vLLM accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
-# More completions per request than this is a mistake, not a workload.
+# More completions per request than this is a mistake, not a workload (the
+# server also caps n at its --max-num-seqs).
 MAX_N = 128
+# Integer fields the engine stores in int32/int64 arrays or sends over msgpack:
+# bounded here so an absurd value is a 400, never an overflow in the engine.
+_INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+
+
+def _finite(default: Any = None, **bounds: Any) -> Any:
+    """A float field that refuses NaN and +-Infinity (Python's JSON parser accepts them)."""
+    return Field(default=default, allow_inf_nan=False, **bounds)
 
 
 def random_id(prefix: str) -> str:
@@ -78,30 +88,31 @@ class _SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
+    # None (omitted or null): the rest of the context; 0 or less: 400 (see docs/server.md).
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = Field(default=1, le=MAX_N)
-    stream: bool = False
+    temperature: float | None = _finite()
+    top_p: float | None = _finite()
+    n: int | None = Field(default=1, le=MAX_N)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _finite(0.0)
+    frequency_penalty: float | None = _finite(0.0)
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    priority: int = 0
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
+    min_p: float | None = _finite()
+    repetition_penalty: float | None = _finite()
+    min_tokens: int | None = Field(default=0, ge=0, le=_INT32_MAX)
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    allowed_token_ids: list[TokenId] | None = None
+    priority: int | None = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
     request_id: str | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -147,9 +158,9 @@ class _SamplingRequest(OpenAIModel):
         # keeps every child seed a valid 64-bit generator seed.
         seed = None if self.seed is None else self.seed % 2**63
         return SamplingParams(
-            n=self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            n=1 if self.n is None else self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             temperature=pick("temperature", self.temperature, 1.0),
             top_p=pick("top_p", self.top_p, 1.0),
@@ -158,13 +169,13 @@ class _SamplingRequest(OpenAIModel):
             seed=seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
             max_tokens=pick("max_tokens", max_tokens, None),
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens or 0,
             logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            spaces_between_special_tokens=self.spaces_between_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             # Streams need every step's state; the server computes deltas
@@ -180,7 +191,7 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions body."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
@@ -206,7 +217,7 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """SamplingParams for this request (OpenAI's default max_tokens for completions is 16).
+        """SamplingParams for this request (max_tokens omitted or null: the rest of the context).
 
         Args:
             defaults: generation-config sampling defaults for omitted fields.
@@ -216,9 +227,9 @@ class CompletionRequest(_SamplingRequest):
         """
         if self.suffix:
             raise ValueError("suffix is not supported.")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != (1 if self.n is None else self.n):
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
-        return self._sampling_params(self.max_tokens, self.logprobs, 16, defaults)
+        return self._sampling_params(self.max_tokens, self.logprobs, None, defaults)
 
 
 class ChatMessage(OpenAIModel):
@@ -234,7 +245,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -15,7 +15,6 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -42,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
         # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
         self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
 
-    def start(self, req: ChatCompletionRequest) -> tuple[str, str, Submission]:
+    def start(self, req: ChatCompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate, render the template, queue; returns (response id, model name, submission).
 
         Raises:
@@ -52,6 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         messages = req.message_dicts()
         self.check_logprobs(req.top_logprobs)
         params = req.to_sampling_params(self.default_sampling_kwargs)
+        self.check_sampling(params)
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
@@ -59,8 +59,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.agents.prepare(
             self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt, **kwargs)
-        response_id = req.request_id or random_id("chatcmpl")
-        return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority)
+        response_id = self.response_id("chatcmpl", req.request_id, raw_request)
+        return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0)
 
     async def full_response(self, req: ChatCompletionRequest, response_id: str, model: str,
                             sub: Submission) -> ChatCompletionResponse:

@@ -12,7 +12,6 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    random_id,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -30,8 +29,11 @@ from tokenmill.outputs import CompletionOutput, PositionLogprobs
 class OpenAIServingCompletion(OpenAIServing):
     """Handler for /v1/completions."""
 
-    def start(self, req: CompletionRequest) -> tuple[str, str, Submission]:
+    def start(self, req: CompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate and queue the request; returns (response id, model name, submission).
+
+        Args:
+            raw_request: the HTTP request (its X-Request-Id names the response), or None.
 
         Raises:
             ValueError / ModelNotFoundError: client mistakes (400 / 404).
@@ -39,9 +41,13 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(req.model)
         prompts = req.prompts()
         self.check_logprobs(req.logprobs)
+        for p in prompts:
+            if not isinstance(p, str):
+                self.check_token_ids(p, "prompt")
         params = req.to_sampling_params(self.default_sampling_kwargs)
-        response_id = req.request_id or random_id("cmpl")
-        return response_id, model, self.submit(response_id, prompts, params, req.priority)
+        self.check_sampling(params, len(prompts))
+        response_id = self.response_id("cmpl", req.request_id, raw_request)
+        return response_id, model, self.submit(response_id, prompts, params, req.priority or 0)
 
     async def full_response(self, req: CompletionRequest, response_id: str, model: str,
                             sub: Submission) -> CompletionResponse:

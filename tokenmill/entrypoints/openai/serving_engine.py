@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
+from tokenmill.entrypoints.openai.protocol import random_id
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -88,16 +89,70 @@ class Submission:
         return sum(len(c.last.token_ids) for c in self.choices.values() if c.last is not None)
 
 
-class OpenAIServing:
-    """Base of the completion and chat handlers."""
+# Sequences (prompts x n) one HTTP request may start: a bound on what one
+# client can make the server allocate, far above real batched requests.
+MAX_SEQS_PER_REQUEST = 4096
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], max_logprobs: int = 20) -> None:
+
+class OpenAIServing:
+    """Base of the completion and chat handlers.
+
+    Args:
+        engine: the `EngineClient`.
+        served_model_names: names clients may put in `model` (first = default).
+        max_logprobs: largest logprobs / top_logprobs a request may ask for.
+        max_n: largest `n` (default: the engine's max_num_seqs, else 128).
+    """
+
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_logprobs: int = 20,
+                 max_n: int | None = None) -> None:
         if not served_model_names:
             raise ValueError("At least one served model name is needed.")
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
+        if max_n is None:
+            sched = getattr(getattr(engine, "engine_config", None), "scheduler_config", None)
+            max_n = int(getattr(sched, "max_num_seqs", 0) or 128)
+        self.max_n = max_n
         self.default_sampling_kwargs: dict[str, Any] = dict(getattr(engine, "default_sampling_kwargs", None) or {})
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.engine, "vocab_size", None)
+
+    def check_token_ids(self, token_ids: Any, field_name: str) -> None:
+        """Raises ValueError when an id in `token_ids` is outside the vocabulary (when it is known)."""
+        vocab = self.vocab_size
+        if vocab is None or not token_ids:
+            return
+        bad = next((t for t in token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field_name} holds token id {bad}, outside this model's vocabulary 0 .. {vocab - 1}.")
+
+    def check_sampling(self, params: SamplingParams, num_prompts: int = 1) -> None:
+        """Server-side bounds the engine does not know about.
+
+        Raises:
+            ValueError: n above max_n, too many sequences in one request, or
+                token ids outside the vocabulary in logit_bias / allowed_token_ids.
+        """
+        if params.n > self.max_n:
+            raise ValueError(f"n must be at most {self.max_n} on this server (its --max-num-seqs), got {params.n}.")
+        if params.n * num_prompts > MAX_SEQS_PER_REQUEST:
+            raise ValueError(f"One request may start at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n), got "
+                             f"{num_prompts} x {params.n}; split it into several requests.")
+        self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
+
+    @staticmethod
+    def response_id(prefix: str, body_request_id: str | None, raw_request: Any = None) -> str:
+        """The id of a response: the body's `request_id`, else `<prefix>-<X-Request-Id or a fresh id>`."""
+        if body_request_id:
+            return body_request_id
+        state = getattr(raw_request, "state", None)
+        header_id = getattr(state, "request_id", None) if state is not None else None
+        return f"{prefix}-{header_id}" if header_id else random_id(prefix)
 
     def check_model(self, model: str | None) -> str:
         """The model name to echo in responses.
