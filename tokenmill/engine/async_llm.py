@@ -218,10 +218,17 @@ class AsyncLLM:
             observer.observe_aborted([candidates[c] for c in core_ids if candidates.get(c) is not None])
         self.client.abort_requests(core_ids)
 
-    def abort_all(self) -> int:
-        """Abort every request in flight (shutdown after the grace period). Returns how many."""
+    def abort_all(self, reason: str = "The server is shutting down; the request was aborted.") -> int:
+        """Abort every request in flight (shutdown after its grace period). Returns how many.
+
+        Their consumers get `EngineDeadError(reason)` (HTTP 503, or an error
+        event in a stream) instead of waiting forever.
+        """
+        queues = {id(q): q for q in self._queues.values()}
         ids = list(self._queues)
         self.abort_requests(ids)
+        for queue in queues.values():
+            queue.put_nowait(EngineDeadError(reason))
         return len(ids)
 
     @property

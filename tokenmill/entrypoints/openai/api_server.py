@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -259,14 +260,34 @@ async def run_server(args: Any) -> int:
                         **agent_kwargs(args))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log,
-                                timeout_graceful_shutdown=shutdown_timeout)
+                                # A backstop only: abort_after_grace ends the streams first.
+                                timeout_graceful_shutdown=shutdown_timeout + 2.0)
         server = _graceful_server(config)
         logger.info("serving %s on http://%s:%d%s", names[0], args.host, args.port,
                     " (API key required)" if api_keys else "")
-        await server.serve()
-        left = engine.abort_all()
-        if left:
-            logger.info("aborted %d request(s) still running at shutdown", left)
+        watcher = asyncio.ensure_future(_abort_after_grace(server, engine, shutdown_timeout))
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+        engine.abort_all()
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+async def _abort_after_grace(server: Any, engine: Any, grace_s: float) -> None:
+    """Once the server is stopping, give in-flight requests `grace_s` seconds, then abort the rest.
+
+    Aborted requests end cleanly (a 503 body, or an error event then [DONE] in
+    a stream), so uvicorn's own, later timeout never has to cancel a handler.
+    """
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and engine.num_requests_in_flight:
+        await asyncio.sleep(0.1)
+    left = engine.abort_all(f"The server is shutting down; the request was aborted after the {grace_s:g} s grace "
+                            "period (--shutdown-timeout).")
+    if left:
+        logger.info("shutdown: aborted %d request(s) still running after %g s", left, grace_s)

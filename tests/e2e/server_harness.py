@@ -1,0 +1,83 @@
+"""A real `tokenmill serve` process for end-to-end tests (127.0.0.1, a free port, the bundled SmolLM2).
+
+`ServerProcess(tmp, extra_args, env)` starts it; `wait_healthy()` blocks
+until /health answers 200; `http(...)` is a tiny urllib client that never
+raises on HTTP errors; `stop()` sends SIGINT and kills the group if needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 420
+API_KEY = "tm-test-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         timeout: float = 120) -> tuple[int, bytes, dict[str, str]]:
+    """One request; `body` is bytes (sent as is) or JSON-able. Returns (status, body, headers)."""
+    raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json"} if raw is not None else {}
+    hdrs.update(headers or {})
+    req = urllib.request.Request(url, data=raw, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read(), {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
+
+
+class ServerProcess:
+    """`python -m tokenmill.entrypoints.cli serve` with `extra_args`, output in tmp/server.log."""
+
+    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "server.log"
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(self.port),
+               "--disable-uvicorn-access-log", *extra_args]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if http("GET", f"{self.base}/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
