@@ -52,7 +52,8 @@ def test_completion_usage_counts(call, fake_engine):
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["text"] == fake_completion_text(4)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_batched_prompts_and_n_number_choices(call):
@@ -61,7 +62,8 @@ def test_completion_batched_prompts_and_n_number_choices(call):
     body = _json(raw)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     # Prompt tokens count once per prompt; completion tokens once per choice.
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_logprobs_shape(call):

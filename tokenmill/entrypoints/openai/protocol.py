@@ -113,6 +113,8 @@ class _SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool | None = True
     allowed_token_ids: list[TokenId] | None = None
     priority: int | None = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
+    # vLLM: mixed into the first block's hash, so only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
     request_id: str | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -300,10 +302,15 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):

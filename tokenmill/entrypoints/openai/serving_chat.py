@@ -13,6 +13,7 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatTokenLogprob,
+    PromptTokenUsageInfo,
     TopLogprob,
     UsageInfo,
 )
@@ -60,7 +61,8 @@ class OpenAIServingChat(OpenAIServing):
             self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt, **kwargs)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
-        return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0)
+        return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0,
+                                                 req.cache_salt)
 
     async def full_response(self, req: ChatCompletionRequest, response_id: str, model: str,
                             sub: Submission) -> ChatCompletionResponse:
@@ -80,7 +82,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(**fields),
                                       logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason))
         p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
-        usage = UsageInfo(prompt_tokens=p, completion_tokens=c_tokens, total_tokens=p + c_tokens)
+        usage = UsageInfo(prompt_tokens=p, completion_tokens=c_tokens, total_tokens=p + c_tokens,
+                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
 
     async def stream_response(self, req: ChatCompletionRequest, response_id: str, model: str,
@@ -108,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk([delta])
             if include_usage:
                 p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
-                yield chunk([], {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens})
+                yield chunk([], {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens,
+                                 "prompt_tokens_details": {"cached_tokens": sub.num_cached_tokens()}})
         except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
             yield sse(stream_error_body(exc))
         finally:

@@ -11,6 +11,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
@@ -47,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params, len(prompts))
         response_id = self.response_id("cmpl", req.request_id, raw_request)
-        return response_id, model, self.submit(response_id, prompts, params, req.priority or 0)
+        return response_id, model, self.submit(response_id, prompts, params, req.priority or 0, req.cache_salt)
 
     async def full_response(self, req: CompletionRequest, response_id: str, model: str,
                             sub: Submission) -> CompletionResponse:
@@ -71,7 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                             stop_reason=comp.stop_reason))
         prompt_tokens, completion_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+                          total_tokens=prompt_tokens + completion_tokens,
+                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()))
         return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
 
     async def stream_response(self, req: CompletionRequest, response_id: str, model: str,
@@ -89,8 +91,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 p, c = sub.num_prompt_tokens(), sub.num_completion_tokens()
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": UsageInfo(prompt_tokens=p, completion_tokens=c,
-                                                             total_tokens=p + c).model_dump()})
+                           "choices": [], "usage": UsageInfo(
+                               prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                               prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()),
+                           ).model_dump()})
         except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
             yield sse(stream_error_body(exc))
         finally:

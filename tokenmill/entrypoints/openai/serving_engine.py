@@ -64,12 +64,15 @@ class Submission:
     prompt_texts: dict[int, str | None] = field(default_factory=dict)
     # prompt index -> prompt token ids
     prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # prompt index -> prompt tokens served from the prefix cache
+    cached_tokens: dict[int, int] = field(default_factory=dict)
 
     def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
         """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
         p_idx = self.prompt_index[out.request_id]
         self.prompt_lens[p_idx] = len(out.prompt_token_ids)
         self.prompt_token_ids[p_idx] = out.prompt_token_ids
+        self.cached_tokens[p_idx] = out.num_cached_tokens
         if out.prompt is not None:
             self.prompt_texts[p_idx] = out.prompt
         pairs = []
@@ -87,6 +90,10 @@ class Submission:
 
     def num_completion_tokens(self) -> int:
         return sum(len(c.last.token_ids) for c in self.choices.values() if c.last is not None)
+
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, over all prompts (`usage.prompt_tokens_details`)."""
+        return sum(self.cached_tokens.values())
 
 
 # Sequences (prompts x n) one HTTP request may start: a bound on what one
@@ -172,12 +179,18 @@ class OpenAIServing:
             raise ValueError(f"At most {self.max_logprobs} logprobs per token may be requested, got {logprobs} "
                              "(the server's --max-logprobs).")
 
-    def submit(self, request_id: str, prompts: list[Any], params: SamplingParams, priority: int = 0) -> Submission:
+    def submit(self, request_id: str, prompts: list[Any], params: SamplingParams, priority: int = 0,
+               cache_salt: str | None = None) -> Submission:
         """Queue every (prompt, sample) pair as its own engine request.
+
+        `cache_salt` (the body's field, as vLLM's) rides in a dict prompt to
+        the input processor, which puts it on each engine request.
 
         Raises:
             ValueError: any one is invalid; the ones already queued are aborted.
         """
+        if cache_salt is not None:
+            prompts = [_with_cache_salt(p, cache_salt) for p in prompts]
         n = params.n
         sub: Submission | None = None
         stream = None
@@ -196,6 +209,15 @@ class OpenAIServing:
             raise
         assert sub is not None
         return sub
+
+
+def _with_cache_salt(prompt: Any, cache_salt: str) -> dict[str, Any]:
+    """A text / token-id / dict prompt as a dict prompt carrying `cache_salt`."""
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": cache_salt}
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": cache_salt}
+    return {"prompt_token_ids": list(prompt), "cache_salt": cache_salt}
 
 
 def sse(data: Any) -> str:
