@@ -33,6 +33,7 @@ H200 (Llama-3.1-8B shapes, dummy weights):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace, chunked: bool) -> TpotResult:
 
     during, before = [], []
     for times in token_times.values():
-        for a, b in zip(times, times[1:]):
+        for a, b in itertools.pairwise(times):
             (during if b > burst_at else before).append(b - a)
     during_ms = np.array(during) * 1e3
     return TpotResult(

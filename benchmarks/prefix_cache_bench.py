@@ -74,8 +74,8 @@ def build_llm(args: argparse.Namespace, **overrides):
     """An `LLM` from the bench flags (a config file becomes a folder with dummy weights)."""
     from tokenmill import LLM
 
-    kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                  skip_tokenizer_init=args.skip_tokenizer_init, load_format=args.load_format)
+    kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+              "skip_tokenizer_init": args.skip_tokenizer_init, "load_format": args.load_format}
     if args.kv_cache_memory_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.max_num_batched_tokens:

@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.config import EngineArgs  # noqa: E402
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineArgs
 
 PROMPT = list(range(100, 140))  # 2 full blocks + 8 tokens
 

@@ -21,11 +21,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.profiler import ProfilerActivity, profile
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
-from tokenmill.attention.metadata import AttentionMetadata  # noqa: E402
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
+from tokenmill.attention.metadata import AttentionMetadata
 
 MAX_MODEL_LEN = 2048
 BUDGET = 256

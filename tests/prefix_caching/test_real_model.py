@@ -20,9 +20,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pc_helpers import use_scheduler  # noqa: E402
+from pc_helpers import use_scheduler
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM, SamplingParams
 
 BLOCK = 16
 NUM_TOKENS = 16
