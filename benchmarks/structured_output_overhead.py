@@ -155,12 +155,14 @@ def e2e_step_times() -> dict[str, float]:
             params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=extra is None, extra_args=extra)
             engine.add_request(f"{label}-{i}", p, params)
         steps, decode_times = 0, []
+        core = engine.engine_core
         while engine.has_unfinished_requests():
+            full = core.scheduler.get_num_unfinished_requests() == BATCH
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
             steps += 1
-            if steps > 3:  # skip the prefill steps
+            if steps > 3 and full:  # decode steps with the whole batch running (prefill skipped)
                 decode_times.append(dt)
         out[label] = 1e3 * statistics.median(decode_times) if decode_times else float("nan")
     return out
