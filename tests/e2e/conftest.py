@@ -1,7 +1,7 @@
 """One production-configured server shared by the e2e modules that ask for `prod_server`.
 
-Flags: an API key, --max-model-len 256, --max-num-seqs 16 (so 256 concurrent
-requests queue, and n is bounded by 16), --max-logprobs 20, a 1 MiB body
+Flags: an API key, --max-model-len 256, --max-num-seqs 64 (so 256 concurrent
+requests queue, and n is bounded by 64), --max-logprobs 20, a 1 MiB body
 limit, metrics also under `vllm:`. Starting the model once for several
 modules keeps the suite inside its time budget on 2 CPU cores.
 """
@@ -14,7 +14,7 @@ import pytest
 from server_harness import API_KEY, ServerProcess
 
 PROD_MAX_MODEL_LEN = 256
-PROD_MAX_NUM_SEQS = 16
+PROD_MAX_NUM_SEQS = 64
 PROD_MAX_BODY_BYTES = 2**20
 
 

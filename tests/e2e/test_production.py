@@ -1,7 +1,7 @@
 """A production server, end to end: every sampling field, logprob shapes, auth, /metrics, load, SIGTERM.
 
 Uses the session's `prod_server` (conftest.py: API key, --max-model-len 256,
---max-num-seqs 16, --max-logprobs 20) with the real `openai` client, plus one
+--max-num-seqs 64, --max-logprobs 20) with the real `openai` client, plus one
 short-lived server for the SIGTERM test. Generations are a few tokens long:
 the suite runs on 2 CPU cores.
 """
@@ -362,7 +362,7 @@ def test_256_concurrent_streams_complete_then_50_disconnects_free_every_block(pr
     assert metric(now, ok, finished_reason="abort") - metric(before, ok, finished_reason="abort") == 50
     gen = "tokenmill:generation_tokens_total"
     assert metric(now, gen) - metric(before, gen) >= 256 * max_tokens + 50
-    # 256 requests over 16 sequence slots: they queued instead of failing.
+    # 256 requests over 64 sequence slots: they queued instead of failing.
     assert metric(now, "tokenmill:request_queue_time_seconds_count") - \
         metric(before, "tokenmill:request_queue_time_seconds_count") == 306
 
