@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, chunked: bool) -> TpotResult:
         num_chunked_prefill_steps=stats_after.num_chunked_prefill_steps - stats_before.num_chunked_prefill_steps)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--num-running", type=int, default=4)
@@ -131,7 +131,7 @@ def main() -> int:
     ap.add_argument("--chunk-budget", type=int, default=256, help="max_num_batched_tokens with chunked prefill")
     ap.add_argument("--warm-steps", type=int, default=4, help="decode steps before the burst")
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         import torch
 
