@@ -173,7 +173,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--e2e", action="store_true", help="also time real engine steps (loads the model)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from tokenmill.engine.core_proc import core_num_threads
+
+    # As the server's engine core: all CPUs but one (2 OpenMP threads on a busy 2-core box spin for seconds).
+    torch.set_num_threads(core_num_threads())
     r = grammar_overhead(args.steps)
     print(f"tokenizer info (once per engine): {r['tokenizer_info_s']:.2f} s; cold compile per schema: "
           f"median {r['compile_ms_median']:.1f} ms, max {r['compile_ms_max']:.1f} ms; restarts: {r['restarts']}")

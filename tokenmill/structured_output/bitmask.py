@@ -8,6 +8,7 @@ unpack is the fallback. Neither syncs with the device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -53,8 +54,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logits_ro
     Uses xgrammar's kernel (C++ on CPU, Triton/CUDA on GPU) when it is
     installed, else a pure-torch unpack.
     """
-    if _XGR_APPLY is not None and rows_list is not None and logits.dtype == torch.float32:
-        _XGR_APPLY(logits, bitmask, vocab_size=logits.shape[1], indices=rows_list)
+    xgr_apply = _xgrammar_apply()
+    if xgr_apply is not None and rows_list is not None and logits.dtype == torch.float32:
+        xgr_apply(logits, bitmask, vocab_size=logits.shape[1], indices=rows_list)
         return
     allowed = unpack_bitmask(bitmask[logits_rows], logits.shape[1])
     logits[logits_rows] = logits[logits_rows].masked_fill(~allowed, float("-inf"))
@@ -87,12 +89,11 @@ def grammar_rows(scheduler_output: Any, sample_req_ids: list[str],
             torch.tensor(rows, dtype=torch.int64, device=device), rows)
 
 
+@functools.cache
 def _xgrammar_apply() -> Any:
+    """xgrammar's in-place kernel, imported on first use (a worker without grammars never imports it)."""
     try:
         from xgrammar import apply_token_bitmask_inplace
     except ImportError:
         return None
     return apply_token_bitmask_inplace
-
-
-_XGR_APPLY = _xgrammar_apply()
