@@ -85,6 +85,7 @@ CASES = [
     # (ctx_lens, query_lens): prefill chunks with prior context, fresh prompts, decodes
     ([0, 21, 0, 40, 7], [9, 13, 1, 1, 1]),
     ([50, 0, 3, 64], [1, 37, 1, 30]),
+    ([30, 5, 70, 12, 33], [1, 1, 1, 1, 1]),  # decodes only, lengths out of order
 ]
 
 
@@ -100,7 +101,9 @@ def test_matches_reference(block_size, heads, window, cap, case):
     query = torch.randn(md.num_actual_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
     ref = _reference(query, md, fk, fv, scale, window, cap)
-    for backend in (TorchSDPABackend(), TorchSDPABackend(kv_tile_size=1, decode_tile_budget=1, use_sdpa_prefill=False)):
+    # decode_group_keys 48: decodes of different lengths share groups (padding masked) or get one each.
+    for backend in (TorchSDPABackend(), TorchSDPABackend(kv_tile_size=1, decode_tile_budget=1, use_sdpa_prefill=False),
+                    TorchSDPABackend(decode_group_keys=48)):
         c = cache.clone()
         out = backend.forward(query, key, value, c, md, scale=scale, sliding_window=window, logits_soft_cap=cap)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -11,8 +11,12 @@ Runs wherever PyTorch runs (CPU, any CUDA GPU including cc 7.0). Each step:
    new token j (absolute position p = context_len + j) sees key positions
    k with k <= p, and with a sliding window W also k > p - W (HF's mask).
 
-Decodes (query_len 1) of a step are batched into one padded gather and one
-batched matmul; each prefill chunk is attended on its own. When a request's
+Decodes (query_len 1) of a step are sorted by length and cut into groups of
+about `decode_group_keys` gathered keys (rows x padded keys); each group is
+one padded gather and one batched matmul. Similar lengths keep the padding
+small, and a group's gathered K/V stays in the CPU's L2 cache between the
+gather and the two matmuls (64 decodes of 150-530 tokens: 25 -> 16 ms per
+layer on one core). Each prefill chunk is attended on its own. When a request's
 keys do not fit one tile (`kv_tile_size` keys), the keys are visited in
 tiles with an online softmax (running max `m` and sum `l`; Milakov &
 Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022), so no
@@ -67,9 +71,8 @@ class _Group:
 class _Plan:
     md: AttentionMetadata  # kept alive so identity comparison is safe
     window: int | None
-    decode: _Group | None = None
+    decodes: list[_Group] = field(default_factory=list)  # decode rows grouped by length
     prefills: list[_Group] = field(default_factory=list)
-    pure_decode: bool = False  # every request is a decode: request i's token is row i
 
 
 class TorchSDPABackend:
@@ -78,8 +81,10 @@ class TorchSDPABackend:
     Args:
         kv_tile_size: keys per tile for a prefill chunk (rounded down to whole
             blocks, at least one block). Smaller = less memory, more steps.
-        decode_tile_budget: max keys gathered at once over the whole decode
-            batch (rows x keys); the per-row tile is this // num_decodes.
+        decode_tile_budget: max keys gathered at once over a decode group
+            (rows x keys); the per-row tile is this // rows.
+        decode_group_keys: target size of a decode group in gathered keys
+            (rows x the group's longest context, at least one row).
         use_sdpa_prefill: route fresh prompts to torch's fused SDPA (tests
             turn it off to exercise the paged path).
     """
@@ -87,12 +92,14 @@ class TorchSDPABackend:
     name = "TORCH_SDPA"
 
     def __init__(
-        self, kv_tile_size: int = 1024, decode_tile_budget: int = 64 * 1024, use_sdpa_prefill: bool = True
+        self, kv_tile_size: int = 1024, decode_tile_budget: int = 64 * 1024, use_sdpa_prefill: bool = True,
+        decode_group_keys: int = 4096,
     ) -> None:
         if kv_tile_size < 1:
             raise ValueError(f"kv_tile_size must be >= 1, got {kv_tile_size}.")
         self.kv_tile_size = kv_tile_size
         self.decode_tile_budget = decode_tile_budget
+        self.decode_group_keys = decode_group_keys
         self.use_sdpa_prefill = use_sdpa_prefill
         self._plans: list[_Plan] = []  # this step's plans, one per sliding-window value
 
@@ -120,15 +127,12 @@ class TorchSDPABackend:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
-        if plan.pure_decode and query.shape[0] == attn_metadata.num_reqs:
-            assert plan.decode is not None and plan.decode.tiles is not None
-            q5 = query.view(-1, num_kv_heads, group, 1, head_dim)
-            return _attend(q5, kv_cache, plan.decode.tiles, scale, logits_soft_cap).view_as(query)
         out = torch.zeros_like(query)
-        if plan.decode is not None:
-            q5 = query[plan.decode.tokens].view(-1, num_kv_heads, group, 1, head_dim)
-            o = _attend(q5, kv_cache, plan.decode.get_tiles(), scale, logits_soft_cap)
-            out[plan.decode.tokens] = o.view(-1, num_heads, head_dim)
+        for g in plan.decodes:
+            assert g.tokens is not None and g.tiles is not None
+            q5 = query.index_select(0, g.tokens).view(-1, num_kv_heads, group, 1, head_dim)
+            o = _attend(q5, kv_cache, g.tiles, scale, logits_soft_cap)
+            out.index_copy_(0, g.tokens, o.view(-1, num_heads, head_dim))
         for g in plan.prefills:
             q = query[g.start : g.end]
             if g.fresh and self.use_sdpa_prefill and logits_soft_cap is None:
@@ -161,9 +165,8 @@ class TorchSDPABackend:
         plan = _Plan(md, window)
         decodes = np.flatnonzero(query_lens == 1)
         if len(decodes):
-            plan.pure_decode = len(decodes) == num_reqs
-            plan.decode = self._plan_decodes(md, decodes, seq_lens[decodes], qsl[decodes], window, block_size,
-                                             device, plan.pure_decode)
+            plan.decodes = self._plan_decodes(md, decodes, seq_lens[decodes], qsl[decodes], window, block_size,
+                                              device)
         for i in np.flatnonzero(query_lens > 1).tolist():
             start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             qlen = end - start
@@ -177,19 +180,35 @@ class TorchSDPABackend:
             plan.prefills.append(_Group(None, args, start=start, end=end, fresh=first_pos == 0))
         return plan
 
-    def _plan_decodes(self, md, reqs, seq_lens, tokens, window, block_size, device, pure) -> _Group:
-        bsz = len(reqs)
+    def _plan_decodes(self, md, reqs, seq_lens, tokens, window, block_size, device) -> list[_Group]:
+        """Decode rows sorted by length, cut into groups of about `decode_group_keys` padded keys.
+
+        seq_lens [300, 20, 310, 25], 64 keys per group -> order [1, 3, 0, 2]; padded
+        to 32 keys, rows 1 and 3 fit one group; rows 0 and 2 (304 and 320 keys) get one each.
+        """
         # Per row, the blocks that can hold visible keys:
         #   seq_lens [5, 40], block 16, window 8 -> first [0, 2], last [0, 2] (blocks of pos 32..39)
         first = np.maximum(0, seq_lens - window) // block_size if window else np.zeros_like(seq_lens)
         nblocks = -(-seq_lens // block_size) - first
-        # block_idx[b, t] = first[b] + t; entries past a row's end are masked by position.
-        block_idx = first[:, None] + np.arange(int(nblocks.max()))[None]
-        rows = md.block_table[:bsz] if pure else md.block_table[torch.from_numpy(reqs).to(device)]
-        tile_blocks = max(1, self.decode_tile_budget // (bsz * block_size))
-        tiles = _plan_tiles(rows, block_idx, (seq_lens - 1)[:, None], window, block_size, tile_blocks, device)
-        tok = torch.from_numpy(tokens).to(device, non_blocking=True)
-        return _Group(tiles, tokens=tok)
+        order = np.argsort(nblocks, kind="stable")
+        groups = []
+        start = 0
+        while start < len(order):
+            # Sorted ascending, so a group's last row has its longest context.
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * nblocks[order[end]] * block_size <= self.decode_group_keys:
+                end += 1
+            sel = order[start:end]
+            start = end
+            nb = int(nblocks[sel].max())
+            # block_idx[b, t] = first[b] + t; entries past a row's end are masked by position.
+            block_idx = first[sel][:, None] + np.arange(nb)[None]
+            rows = md.block_table[torch.from_numpy(reqs[sel]).to(device, non_blocking=True)]
+            tile_blocks = max(1, self.decode_tile_budget // (len(sel) * block_size))
+            tiles = _plan_tiles(rows, block_idx, (seq_lens[sel] - 1)[:, None], window, block_size, tile_blocks,
+                                device)
+            groups.append(_Group(tiles, tokens=torch.from_numpy(tokens[sel]).to(device, non_blocking=True)))
+        return groups
 
 
 def _plan_tiles(
