@@ -171,9 +171,16 @@ class EngineCoreClient:
 
         Raises:
             EngineDeadError: the core is not running.
+            ValueError: the request cannot be serialized (an out-of-range value).
         """
         self._check_alive()
-        self._in.send_multipart([MessageKind.ADD, encode_request(request)])
+        try:
+            payload = encode_request(request)
+        except (OverflowError, TypeError, ValueError) as exc:  # msgspec.EncodeError is a ValueError
+            # e.g. an integer above 64 bits inside a JSON schema: the client's
+            # mistake, refused before it reaches the core.
+            raise ValueError(f"The request holds a value the engine cannot carry: {exc}.") from None
+        self._in.send_multipart([MessageKind.ADD, payload])
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Tell the core to finish these requests and free their blocks (no-op if dead).
