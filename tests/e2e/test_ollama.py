@@ -26,7 +26,7 @@ def client(prod_server):
 
 @pytest.fixture(scope="module")
 def model(prod_server):
-    status, raw, _ = http("GET", f"{prod_server.base}/v1/models", headers=AUTH)
+    _, raw, _ = http("GET", f"{prod_server.base}/v1/models", headers=AUTH)
     return json.loads(raw)["data"][0]["id"]
 
 
