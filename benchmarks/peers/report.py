@@ -136,7 +136,7 @@ def section(args: argparse.Namespace) -> str:
     names = [p.name for p in args.peer_list] if not args.report_only else list(ALL_PEERS)
     names = [n for n in ALL_PEERS if n in names or any(args.results_dir.glob(f"{n}-c*.json"))]
     quick = " (QUICK smoke-test lengths, not the real sweep)" if args.quick else ""
-    out = [SECTION, "",
+    out = [SECTION, "", *([f"> {args.note}", ""] if args.note else []),
            f"Written by `benchmarks/peers/run_peers.py`{quick}. Same model everywhere: SmolLM2-135M-Instruct, "
            "the bundled Q4_1 GGUF for llama.cpp and, for the others, an HF-format copy made from it "
            "(`benchmarks/peers/convert_gguf.py`: dequantized to float32, so all peers hold the same weights). "
@@ -149,7 +149,9 @@ def section(args: argparse.Namespace) -> str:
            "slots (one request at a time behind a lock; `--interrupt_requests False` so a new request does not "
            "cut the streaming one short); `llamaserver-q4_1` is llama.cpp's own `llama-server` (the server "
            "Ollama's runner is built on) compiled from the source llama-cpp-python vendors, with "
-           "`-np` = concurrency slots of 1024 tokens each. \"load at start\" is the machine's 1-minute load "
+           "`-np` = concurrency slots of 1024 tokens each. vLLM CPU runs with its defaults "
+           "(`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores it binds its model worker to core 0 and reserves core 1 "
+           "for the API server and scheduler; tokenmill's model runs 2 torch threads). \"load at start\" is the machine's 1-minute load "
            "average when the run began: above ~2 (the core count) other work shared the cores and the row "
            "understates that peer.", "",
            "Reproduce everything: `bash benchmarks/peers/setup_peers.sh && "

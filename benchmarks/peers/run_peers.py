@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "(default docs/benchmarks.md; with --quick, in the results dir).")
     p.add_argument("--force", action="store_true", help="Re-measure results that exist.")
     p.add_argument("--report-only", action="store_true", help="Only redraw plots and rewrite the doc.")
+    p.add_argument("--note", default="", help="A status line printed at the top of the doc section.")
     args = p.parse_args(argv)
     if args.quick:
         args.input_len, args.output_len = 32, 16
