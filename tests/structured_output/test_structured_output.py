@@ -225,3 +225,28 @@ def test_rejected_token_stops_the_request_and_abort_forgets(backend):
     out = EngineCoreOutput("a", [letter])
     mgr.accept_outputs(EngineCoreOutputs([out]), sched)
     assert sched.finished == ["a"] and out.finish_reason is not None
+
+
+def test_grammar_waits_for_the_end_of_reasoning(backend):
+    tok, be = backend
+    mgr = _manager(be)
+    end_ids = tok.encode("</think>", add_special_tokens=False)
+    params = SamplingParams(max_tokens=50, extra_args={"structured_outputs": {"regex": "[0-9]+"},
+                                                       "structured_outputs_after_reasoning": end_ids})
+    req = Request(EngineCoreRequest("t", [1, 2], params), 50)
+    mgr.submit(req, mgr.spec_of(req))
+    while mgr.has_pending():
+        mgr.pop_ready(wait=True)
+    sched = _Scheduler()
+    thinking = tok.encode("Let me think, x", add_special_tokens=False)
+    for t in thinking + end_ids:
+        so = SchedulerOutput([], CachedRequestData(), {"t": 1}, 1)
+        mgr.fill_bitmask(so)
+        assert so.grammar_bitmask is None  # free text while thinking (letters would break the regex)
+        mgr.accept_outputs(EngineCoreOutputs([EngineCoreOutput("t", [t])]), sched)
+    assert sched.finished == [] and "t" not in mgr.thinking
+    so = SchedulerOutput([], CachedRequestData(), {"t": 1}, 1)
+    mgr.fill_bitmask(so)
+    allowed = unpack_bitmask(torch.from_numpy(so.grammar_bitmask), VOCAB)[0]
+    assert allowed[tok.encode("7", add_special_tokens=False)[0]]
+    assert not allowed[tok.encode("x", add_special_tokens=False)[0]]

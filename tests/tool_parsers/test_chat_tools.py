@@ -132,3 +132,39 @@ def test_agent_config_checks_flags():
         ChatAgentConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="Unknown reasoning parser"):
         ChatAgentConfig(reasoning_parser="nope")
+
+
+class _Engine:
+    class tokenizer:
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(i) for i in ids)
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+    def apply_chat_template(self, messages, **kwargs):
+        return [ord(c) for c in self.prompt]
+
+
+def test_grammar_starts_after_reasoning_unless_the_prompt_closed_it():
+    from types import SimpleNamespace
+
+    from tokenmill.sampling_params import SamplingParams
+
+    cfg = ChatAgentConfig(reasoning_parser="qwen3")
+    req = SimpleNamespace(tools=None, tool_choice=None)
+    msgs = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(extra_args={"structured_outputs": {"json_object": True}})
+    cfg.prepare(_Engine("assistant\n<think>\n"), req, msgs, params)
+    assert params.extra_args["structured_outputs_after_reasoning"] == [ord(c) for c in "</think>"]
+    params = SamplingParams(extra_args={"structured_outputs": {"json_object": True}})
+    cfg.prepare(_Engine("assistant\n<think>\n\n</think>\n\n"), req, msgs, params)  # enable_thinking: false
+    assert "structured_outputs_after_reasoning" not in params.extra_args
+    plain = SamplingParams()
+    cfg.prepare(_Engine("assistant\n"), req, msgs, plain)
+    assert plain.extra_args is None

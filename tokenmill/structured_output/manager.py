@@ -9,6 +9,8 @@ Life of a structured request:
 
     add_request ─► submit(): compile on a background thread ─┐  (not scheduled yet)
     step():  pop_ready() ◄───────────────────────────────────┘  matcher made, -> scheduler
+             (a request with a reasoning parser is unconstrained until its
+              output has the reasoning-end tokens, e.g. "</think>")
              schedule() -> fill_bitmask(SchedulerOutput)     one batched fill, rows -> worker
              execute_model (worker masks the logits)
              update_from_output() -> accept_outputs()        matchers advance; a finished
@@ -28,7 +30,7 @@ import numpy as np
 
 from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
 from tokenmill.structured_output.backend import GrammarBackend, bitmask_width
-from tokenmill.structured_output.spec import StructuredOutputSpec, get_spec
+from tokenmill.structured_output.spec import REASONING_END_KEY, StructuredOutputSpec, get_spec
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class StructuredOutputManager:
         self._pending: dict[str, tuple[Request, Future]] = {}
         # req_id -> xgrammar.GrammarMatcher of requests handed to the scheduler.
         self.matchers: dict[str, Any] = {}
+        # req_id -> (reasoning-end token ids, recent output tail): requests still thinking; their
+        # grammar starts after the end sequence (see REASONING_END_KEY).
+        self.thinking: dict[str, tuple[list[int], list[int]]] = {}
         self._bitmask: np.ndarray | None = None  # [max_num_seqs, ceil(V / 32)] int32, made with the backend
         self._batch_matcher: Any = None
         # Seconds spent filling bitmasks and advancing matchers (for the overhead benchmark).
@@ -124,6 +129,9 @@ class StructuredOutputManager:
                 failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
                 continue
             self.matchers[req_id] = self.backend().new_matcher(future.result())
+            end_ids = (request.sampling_params.extra_args or {}).get(REASONING_END_KEY)
+            if end_ids:
+                self.thinking[req_id] = (list(end_ids), [])
             ready.append(request)
         return ready, failed
 
@@ -134,6 +142,7 @@ class StructuredOutputManager:
             if pending is not None:
                 pending[1].cancel()
             self.matchers.pop(req_id, None)
+            self.thinking.pop(req_id, None)
 
     # ---- each step ----------------------------------------------------------------
 
@@ -146,7 +155,8 @@ class StructuredOutputManager:
         """
         if not self.matchers:
             return
-        req_ids = [r for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0 and r in self.matchers]
+        req_ids = [r for r, n in scheduler_output.num_scheduled_tokens.items()
+                   if n > 0 and r in self.matchers and r not in self.thinking]
         if not req_ids:
             return
         t0 = time.perf_counter()
@@ -179,7 +189,8 @@ class StructuredOutputManager:
             matcher = self.matchers.get(out.request_id)
             if matcher is None:
                 continue
-            for tok in out.new_token_ids:
+            new_ids = self._past_reasoning(out.request_id, out.new_token_ids)
+            for tok in new_ids:
                 if matcher.is_terminated():
                     break
                 if not matcher.accept_token(tok):
@@ -189,6 +200,7 @@ class StructuredOutputManager:
                     break
             if out.finish_reason is not None:
                 self.matchers.pop(out.request_id, None)
+                self.thinking.pop(out.request_id, None)
             elif out.request_id not in to_finish and matcher.is_terminated():
                 to_finish.append(out.request_id)
         if to_finish:
@@ -199,6 +211,20 @@ class StructuredOutputManager:
             for req_id in to_finish:
                 self.matchers.pop(req_id, None)
         self.accept_time_s += time.perf_counter() - t0
+
+    def _past_reasoning(self, req_id: str, token_ids: list[int]) -> list[int]:
+        """The tokens the grammar must see: none while the request is still thinking, then those after the end."""
+        state = self.thinking.get(req_id)
+        if state is None:
+            return token_ids
+        end_ids, tail = state
+        for i, tok in enumerate(token_ids):
+            tail.append(tok)
+            del tail[: max(0, len(tail) - len(end_ids))]
+            if tail == end_ids:
+                del self.thinking[req_id]
+                return token_ids[i + 1:]
+        return []
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 EXTRA_ARGS_KEY = "structured_outputs"
+# extra_args key: token ids that end the model's reasoning ("</think>"); the grammar applies after them.
+REASONING_END_KEY = "structured_outputs_after_reasoning"
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 

@@ -22,6 +22,7 @@ from tokenmill.entrypoints.openai.tool_parsers.chat_tools import (
 )
 from tokenmill.entrypoints.openai.tool_parsers.registry import get_tool_parser
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.spec import EXTRA_ARGS_KEY, REASONING_END_KEY
 
 _PROMPT_TAIL_TOKENS = 16  # enough to see a trailing "<think>\n"
 
@@ -69,9 +70,28 @@ class ChatAgentConfig:
             params.skip_special_tokens = False
         prompt = render_with_tools(engine.apply_chat_template, messages, plan, **template_kwargs)
         if self.reasoning_parser:
-            parser.set_prompt_text(_prompt_tail(prompt, tokenizer))
+            tail = _prompt_tail(prompt, tokenizer)
+            parser.set_prompt_text(tail)
+            self._grammar_after_reasoning(params, tail, tokenizer)
         req._output_parser = parser
         return prompt
+
+    def _grammar_after_reasoning(self, params: SamplingParams, prompt_tail: str | None, tokenizer: Any) -> None:
+        """Let a thinking model think first: the grammar starts after its reasoning-end tokens.
+
+        Skipped when the prompt already closed the thinking block (e.g.
+        `enable_thinking: false` renders `<think>\n\n</think>`): then the
+        answer, under the grammar, starts at once.
+        """
+        extra = params.extra_args or {}
+        if not extra.get(EXTRA_ARGS_KEY) or tokenizer is None:
+            return
+        cls = get_reasoning_parser(self.reasoning_parser or "")
+        tail = prompt_tail or ""
+        if cls.end_token in tail and tail.rfind(cls.end_token) > tail.rfind(cls.start_token):
+            return
+        end_ids = list(tokenizer.encode(cls.end_token, add_special_tokens=False))
+        params.extra_args = {**extra, REASONING_END_KEY: end_ids}
 
 
 def _prompt_tail(prompt: Any, tokenizer: Any) -> str | None:
