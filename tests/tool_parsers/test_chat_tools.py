@@ -50,6 +50,14 @@ def test_forced_schemas_accept_exactly_the_calls():
         jsonschema.validate([], required)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "arguments": {"city": "x"}}], required)
+    single = plan_tools(TOOLS, "required", False, None)
+    single.parallel_tool_calls = False
+    one_call = forced_structured_outputs(single)["json"]
+    call = {"name": "get_time", "arguments": {"tz": "UTC"}}
+    jsonschema.validate([call], one_call)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call, call], one_call)
+    jsonschema.validate([call, call], required)
     named = forced_structured_outputs(plan_tools(TOOLS, {"function": {"name": "get_weather"}}, False, None))
     assert named == {"json": TOOLS[0]["function"]["parameters"]}
     with pytest.raises(ValueError, match="cannot be combined"):

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from tokenmill.structured_output.spec import StructuredOutputSpec, choice_ebnf
+from tokenmill.structured_output.spec import StructuredOutputSpec, choice_ebnf, import_xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        import xgrammar as xgr
-
+        xgr = import_xgrammar()
         self._xgr = xgr
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,

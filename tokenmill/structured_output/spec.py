@@ -121,8 +121,7 @@ def validate_spec(spec: StructuredOutputSpec) -> None:
         ValueError: the JSON schema is not a valid schema, or the regex /
             grammar does not parse; the sentence says which and why.
     """
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     try:
         if spec.kind == "json":
             schema = json.loads(spec.value)
@@ -140,6 +139,20 @@ def validate_spec(spec: StructuredOutputSpec) -> None:
         what = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[spec.kind]
         raise ValueError(f"The {what} in the request cannot be used for structured output: "
                          f"{_clean_error(e)}.") from None
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module.
+
+    Raises:
+        ValueError: it is not installed (the request cannot be served; HTTP 400 with the fix).
+    """
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("Structured output needs the xgrammar package, which is not installed on this server; "
+                         "install it with: pip install 'tokenmill[structured]'.") from None
+    return xgrammar
 
 
 def _grammar_from_text(xgr: Any, text: str) -> Any:

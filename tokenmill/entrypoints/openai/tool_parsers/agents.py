@@ -63,6 +63,7 @@ class ChatAgentConfig:
         """
         plan = plan_tools(getattr(req, "tools", None), getattr(req, "tool_choice", None),
                           self.enable_auto_tool_choice, self.tool_call_parser)
+        plan.parallel_tool_calls = getattr(req, "parallel_tool_calls", None) is not False
         params.extra_args = apply_forced_tool_choice(plan, params.extra_args)
         tokenizer = getattr(engine, "tokenizer", None)
         parser = ChatOutputParser(plan, self.tool_call_parser, self.reasoning_parser, None, tokenizer)

@@ -41,6 +41,7 @@ class ToolPlan:
     mode: str = "none"
     named_function: str | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
+    parallel_tool_calls: bool = True  # False: "required" forces exactly one call
 
     @property
     def forced(self) -> bool:
@@ -119,7 +120,10 @@ def forced_structured_outputs(plan: ToolPlan) -> dict[str, Any] | None:
                   "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                  "arguments": _parameters(t["function"])},
                   "required": ["name", "arguments"]} for t in plan.tools]
-        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}
+        if not plan.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return {"json": schema}
     return None
 
 
