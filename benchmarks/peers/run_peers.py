@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.concurrency == "1,4,16,64":
             args.concurrency = "1,4"
     args.results_dir = Path(args.results_dir or Path(__file__).resolve().parent / ("results-quick" if args.quick else "results"))
-    args.doc = Path(args.doc) if args.doc else (args.results_dir / "benchmarks.md" if args.quick
+    args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if args.quick
                                                 else ROOT / "docs" / "benchmarks.md")
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL_PEERS]
@@ -161,9 +161,13 @@ def git_commit() -> str:
 
 
 def record_meta(args: argparse.Namespace, peer: Peer, key: str, value: object) -> None:
+    """Set (or, with value None, drop) one fact about `peer` in meta.json."""
     path = args.results_dir / "meta.json"
     meta = json.loads(path.read_text()) if path.is_file() else {}
-    meta.setdefault(peer.name, {})[key] = value
+    if value is None:
+        meta.setdefault(peer.name, {}).pop(key, None)
+    else:
+        meta.setdefault(peer.name, {})[key] = value
     path.write_text(json.dumps(meta, indent=1))
 
 
@@ -184,6 +188,7 @@ def run_server_peer(args: argparse.Namespace, peer: Peer) -> None:
             answer = sanity_answer(port)
             print(f"[{peer.name}] ready in {ready_s:.0f} s; answer: {answer!r}", flush=True)
             record_meta(args, peer, "answer", answer)
+            record_meta(args, peer, "error", None)  # an earlier failed start no longer applies
             record_meta(args, peer, "ready_s", round(ready_s, 1))
             record_meta(args, peer, "commit", git_commit())
             for c in group:
