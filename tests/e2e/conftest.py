@@ -11,11 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from server_harness import API_KEY, ServerProcess
-
-PROD_MAX_MODEL_LEN = 256
-PROD_MAX_NUM_SEQS = 64
-PROD_MAX_BODY_BYTES = 2**20
+from server_harness import API_KEY, PROD_MAX_BODY_BYTES, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess
 
 
 @pytest.fixture(scope="session")

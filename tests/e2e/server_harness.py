@@ -21,6 +21,10 @@ from typing import Any
 
 START_TIMEOUT_S = 420
 API_KEY = "tm-test-key-0123456789"
+# The session's production server (conftest.py `prod_server`).
+PROD_MAX_MODEL_LEN = 256
+PROD_MAX_NUM_SEQS = 64
+PROD_MAX_BODY_BYTES = 2**20
 
 
 def free_port() -> int:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import PROD_MAX_BODY_BYTES, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS
-from server_harness import API_KEY, http
+from server_harness import API_KEY, PROD_MAX_BODY_BYTES, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, http
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MSGS = [{"role": "user", "content": "Hi"}]

@@ -16,8 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS
-from server_harness import API_KEY, ServerProcess, http
+from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess, http
 
 openai = pytest.importorskip("openai")
 prom_parser = pytest.importorskip("prometheus_client.parser")
