@@ -97,9 +97,12 @@ class BodyGuardMiddleware:
             await self.app(scope, receive, send)
             return
         content_type = _header(scope, b"content-type")
-        # Ollama's documented usage is `curl -d '{...}'` (a form content type):
-        # its routes take the body as JSON whatever the header says.
-        if content_type is not None and not scope.get("path", "").startswith("/api/"):
+        if scope.get("path", "").startswith("/api/"):
+            # Ollama's documented usage is `curl -d '{...}'` (a form content
+            # type): its routes read the body as JSON whatever the header says.
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        elif content_type is not None:
             media = content_type.split(b";")[0].strip().lower()
             if media != b"application/json" and not media.endswith(b"+json"):
                 await send_json_error(scope, send, 415, f"Unsupported Content-Type {media.decode(errors='replace')!r}; "
