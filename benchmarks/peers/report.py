@@ -151,7 +151,8 @@ def section(args: argparse.Namespace) -> str:
            "Ollama's runner is built on) compiled from the source llama-cpp-python vendors, with "
            "`-np` = concurrency slots of 1024 tokens each. vLLM CPU runs with its defaults "
            "(`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores it binds its model worker to core 0 and reserves core 1 "
-           "for the API server and scheduler; tokenmill's model runs 2 torch threads). \"load at start\" is the machine's 1-minute load "
+           "for the API server and scheduler; tokenmill's model runs 2 torch threads). "
+           "\"load at start\" is the machine's 1-minute load "
            "average when the run began: above ~2 (the core count) other work shared the cores and the row "
            "understates that peer.", "",
            "Reproduce everything: `bash benchmarks/peers/setup_peers.sh && "

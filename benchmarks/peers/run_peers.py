@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.input_len, args.output_len = 32, 16
         if args.concurrency == "1,4,16,64":
             args.concurrency = "1,4"
-    args.results_dir = Path(args.results_dir or Path(__file__).resolve().parent / ("results-quick" if args.quick else "results"))
+    default_dir = Path(__file__).resolve().parent / ("results-quick" if args.quick else "results")
+    args.results_dir = Path(args.results_dir or default_dir)
     args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if args.quick
                                                 else ROOT / "docs" / "benchmarks.md")
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
