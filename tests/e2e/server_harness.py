@@ -1,7 +1,7 @@
 """A real `tokenmill serve` process for end-to-end tests (127.0.0.1, a free port, the bundled SmolLM2).
 
 `ServerProcess(tmp, extra_args, env)` starts it; `wait_healthy()` blocks
-until /health answers 200; `http(...)` is a tiny urllib client that never
+until /health answers 200; `http(...)` is a tiny http.client client that never
 raises on HTTP errors; `stop()` sends SIGINT and kills the group if needed.
 """
 
@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+from http import client as http_client
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +35,30 @@ def free_port() -> int:
 
 def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
          timeout: float = 120) -> tuple[int, bytes, dict[str, str]]:
-    """One request; `body` is bytes (sent as is) or JSON-able. Returns (status, body, headers)."""
+    """One request; `body` is bytes (sent as is) or JSON-able. Returns (status, body, headers).
+
+    A body over PROD_MAX_BODY_BYTES is announced by Content-Length but not sent:
+    the server must refuse it (413) from the header alone. Sending it would race
+    the server's early answer and close (the client then sees a broken pipe).
+    """
     raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json"} if raw is not None else {}
     hdrs.update(headers or {})
-    req = urllib.request.Request(url, data=raw, method=method, headers=hdrs)
+    parts = urllib.parse.urlsplit(url)
+    conn = http_client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read(), {k.lower(): v for k, v in resp.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
+        conn.putrequest(method, parts.path + (f"?{parts.query}" if parts.query else ""))
+        for name, value in hdrs.items():
+            conn.putheader(name, value)
+        if raw is not None:
+            conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders()
+        if raw and len(raw) <= PROD_MAX_BODY_BYTES:
+            conn.send(raw)
+        resp = conn.getresponse()
+        return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
 
 
 class ServerProcess:
