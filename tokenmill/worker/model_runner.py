@@ -134,7 +134,8 @@ class ModelRunner:
                 "KV cache more memory."
             )
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
-        logger.info("KV cache: %d blocks, %d tokens, max concurrency %.2fx at max_model_len %d",
+        # The engine core logs the one user-facing KV-cache line; this one is per worker.
+        logger.debug("KV cache: %d blocks, %d tokens, max concurrency %.2fx at max_model_len %d",
                     num_blocks, num_blocks * bs, num_blocks / need, self.max_model_len)
 
     # ---- one step -------------------------------------------------------------
