@@ -172,10 +172,10 @@ def main() -> None:
 
     import transformers
 
-    import tokenmill
+    from tokenmill.version import get_version
 
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-          f"tokenmill {getattr(tokenmill, '__version__', '?')}, {os.cpu_count()} CPUs")
+          f"tokenmill {get_version()}, {os.cpu_count()} CPUs")
     if len(results) == 2:
         print(f"ratio tokenmill / transformers: {results['tokenmill'] / results['transformers']:.2f}x")
 
