@@ -135,8 +135,9 @@ def main() -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set by an earlier parallel op
-    from tokenmill.model_loader.source import bundled_gguf_path
     from transformers import AutoTokenizer
+
+    from tokenmill.model_loader.source import bundled_gguf_path
 
     gguf = bundled_gguf_path()
     folder, name = os.path.split(gguf)
