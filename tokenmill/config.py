@@ -73,6 +73,24 @@ class CacheConfig:
     num_gpu_blocks: int = 0  # filled after memory profiling
 
 
+CPU_KV_CACHE_BYTES = 4 * 1024**3  # the CPU default of --kv-cache-memory-bytes
+
+
+def kv_memory_hint(cache_config: CacheConfig, device: str) -> str:
+    """The flag that would give the KV cache more memory, with its current value (for error messages).
+
+    device: "cpu" or "cuda". Example: "raise --gpu-memory-utilization (now 0.9), or lower ...".
+    """
+    cc = cache_config
+    if cc.num_gpu_blocks_override is not None:
+        return f"raise --num-gpu-blocks-override (now {cc.num_gpu_blocks_override})"
+    if cc.kv_cache_memory_bytes is not None or device != "cuda":
+        now = cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
+        return f"raise --kv-cache-memory-bytes (now {now / 2**30:.2f} GiB)"
+    return (f"raise --gpu-memory-utilization (now {cc.gpu_memory_utilization}), or lower "
+            "--max-num-batched-tokens or --max-num-seqs (less activation memory)")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import (
+    CPU_KV_CACHE_BYTES,
     CacheConfig,
     DeviceConfig,
     EngineArgs,
@@ -45,7 +46,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "pt")
 # HF config keys that bound the context length (vLLM's _get_and_verify_max_len list, abridged).
 _MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_positions")
-_CPU_KV_CACHE_BYTES = 4 * 1024**3
 _LARGE_GPU_BYTES = 70 * 1024**3
 
 
@@ -224,7 +224,7 @@ def _resolve_generation_config(setting: str, source: ModelSource) -> dict[str, A
 def _resolve_cache_config(args: EngineArgs, platform: Platform) -> CacheConfig:
     kv_bytes = parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes is not None else None
     if kv_bytes is None and platform.device_type == "cpu":
-        kv_bytes = _CPU_KV_CACHE_BYTES
+        kv_bytes = CPU_KV_CACHE_BYTES
     if kv_bytes is not None and kv_bytes <= 0:
         raise ValueError(f"--kv-cache-memory-bytes must be positive, got {args.kv_cache_memory_bytes}.")
     return CacheConfig(

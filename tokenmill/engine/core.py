@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tokenmill.config import kv_memory_hint
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.request import (
     EngineCoreOutput,
@@ -46,8 +47,11 @@ def kv_cache_bytes_per_block(engine_config: Any) -> int:
     return 2 * num_layers * engine_config.cache_config.block_size * num_kv_heads * int(head_dim) * dtype_bytes
 
 
-def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, memory_hint: str | None = None) -> None:
     """Raise when one `max_model_len` sequence cannot fit in the KV cache.
+
+    memory_hint: what would give the KV cache more memory here (see
+    `tokenmill.config.kv_memory_hint`); default names every such flag.
 
     Raises:
         ValueError: with the largest max_model_len that fits and the flags that help.
@@ -57,8 +61,10 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) ->
         raise ValueError(
             f"The KV cache holds {num_blocks} blocks x {block_size} tokens = {capacity} tokens, fewer than one "
             f"sequence of max_model_len={max_model_len} needs. The largest max_model_len that fits is {capacity}; "
-            f"pass --max-model-len {capacity} or give the KV cache more memory (--kv-cache-memory-bytes / "
-            "--gpu-memory-utilization / --num-gpu-blocks-override)."
+            f"pass --max-model-len {capacity}, or "
+            + (memory_hint or "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization / "
+               "--num-gpu-blocks-override)")
+            + "."
         )
 
 
@@ -91,7 +97,8 @@ class EngineCore:
                              "(--kv-cache-memory-bytes / --gpu-memory-utilization) or use a smaller model.")
         max_model_len = sched_cfg.max_model_len
         self._log_kv_cache(num_blocks, cache.block_size, max_model_len)
-        check_kv_cache_fits(num_blocks, cache.block_size, max_model_len)
+        check_kv_cache_fits(num_blocks, cache.block_size, max_model_len,
+                            kv_memory_hint(cache, engine_config.device_config.device))
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks)

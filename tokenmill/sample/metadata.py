@@ -27,6 +27,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None
     # [S] float32 in [0, 1]; None if no row uses min-p.
     min_p: torch.Tensor | None
+    # Host int: the largest top_k of the batch (so top-k-only filtering needs no device->host read).
+    max_top_k: int | None = None
     # row -> generator for seeded rows (all randomness of that row comes from it).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # [S] float32 penalties; all three None when no row has a penalty.

@@ -38,6 +38,7 @@ def apply_top_k_top_p(
     logits: torch.Tensor,  # [S, V] float32
     top_k: torch.Tensor | None,  # [S] int64 in [1, V]
     top_p: torch.Tensor | None,  # [S] float32 in (0, 1]
+    max_top_k: int | None = None,  # host int = top_k.max(); given, the top-k-only path makes no host sync
 ) -> torch.Tensor:
     """Keep the top-k tokens, then the smallest set whose probability reaches top_p.
 
@@ -48,7 +49,7 @@ def apply_top_k_top_p(
         assert top_k is not None
         # Only top-k: topk at the batch's largest k, then each row's k-th value is its threshold.
         # k = [2, 1], sorted rows [[5, 4, 3], [9, 2, 1]] -> thresholds [4, 9]
-        max_k = int(top_k.max())
+        max_k = int(top_k.max()) if max_top_k is None else max_top_k
         values = logits.topk(max_k, dim=-1).values
         kth = values.gather(1, (top_k - 1).clamp(max=max_k - 1)[:, None])
         return logits.masked_fill(logits < kth, float("-inf"))

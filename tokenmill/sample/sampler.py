@@ -84,7 +84,7 @@ class Sampler:
         assert md.temperature is not None
         scaled = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, md.max_top_k)
         probs = scaled.softmax(dim=-1)
         if md.min_p is not None:
             probs = apply_min_p(probs, md.min_p)

@@ -103,7 +103,9 @@ class SamplingState:
         if not all_greedy:
             top_k = self.top_k[rows]
             if (top_k > 0).any():
-                md.top_k = _to(np.where(top_k > 0, np.minimum(top_k, self.vocab_size), self.vocab_size), dev)
+                k = np.where(top_k > 0, np.minimum(top_k, self.vocab_size), self.vocab_size)
+                md.top_k = _to(k, dev)
+                md.max_top_k = int(k.max())
             top_p = self.top_p[rows]
             if (top_p < 1.0).any():
                 md.top_p = _to(top_p, dev)

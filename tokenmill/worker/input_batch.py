@@ -89,6 +89,16 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    @property
+    def device_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent device tensors each step's inputs are prefixes of (CUDA graphs read these).
+
+        Keys: input_ids, positions, slot_mapping ([max_num_batched_tokens] int64),
+        query_start_loc ([max_num_reqs + 1] int32), seq_lens ([max_num_reqs] int32),
+        logits_indices ([max_num_reqs] int64).
+        """
+        return self._dev
+
     # ---- membership -------------------------------------------------------------
 
     def add_request(self, new: NewRequestData) -> int:

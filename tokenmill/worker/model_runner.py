@@ -4,7 +4,10 @@ Step (`execute_model`):
     scheduler diffs -> InputBatch rows -> input_ids / positions / metadata
     -> model forward under the forward context -> logits at logits_indices
     -> Sampler -> sampled ids appended to the batch -> ModelRunnerOutput.
-The only host<->device sync is one `.tolist()` of the results at the end.
+The only host<->device sync is one wait for the results' copy to pinned host
+memory at the end. On CUDA, decode-only steps replay CUDA graphs captured
+at padded batch sizes (tokenmill/worker/cuda_graph.py) unless
+`--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -15,20 +18,20 @@ import numpy as np
 import torch
 
 from tokenmill.attention.selector import get_attn_backend
-from tokenmill.config import EngineConfig
+from tokenmill.config import CPU_KV_CACHE_BYTES, EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
 from tokenmill.forward_context import set_forward_context
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
+from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 class ModelRunner:
@@ -52,6 +55,7 @@ class ModelRunner:
         self.hidden_size = text_cfg.hidden_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CUDAGraphRunner | None = None
         self.sampler = Sampler()
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_num_tokens, cc.block_size, self.vocab_size,
@@ -82,7 +86,7 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type != "cuda":
-            budget = _CPU_DEFAULT_KV_BYTES
+            budget = CPU_KV_CACHE_BYTES
         else:
             budget = self._profile_free_cuda_memory()
         num_blocks = int(budget // per_block)
@@ -96,27 +100,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_free_cuda_memory(self) -> int:
-        """Bytes left for KV after the weights and a dummy step of max_num_batched_tokens."""
+        """Bytes left for the KV cache on this GPU.
+
+        budget = gpu_memory_utilization * total
+                 - peak torch memory of a dummy step of max_num_batched_tokens
+                   (weights + activations + logits and sampler temporaries for max_num_seqs rows)
+                 - memory outside torch's allocator (CUDA context, cuBLAS/NCCL
+                   workspaces, other processes on the device)
+                 - an estimate of the decode CUDA graphs' private pool
+                   (the step's activations scaled to the largest captured batch).
+        """
         assert self.model is not None, "load_model() first"
-        torch.cuda.synchronize(self.device)
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
         n = self.max_num_tokens
-        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.arange(n, device=self.device) % self.max_model_len
+        input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        positions = torch.arange(n, device=dev) % self.max_model_len
         with set_forward_context(None, [], self.attn_backend):
             hidden = self._run_model(input_ids, positions)
-        if hidden is not None:  # the last pipeline stage
-            self.model.compute_logits(hidden[: self.max_num_reqs])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
+        if hidden is not None:  # the last pipeline stage: logits and the sampler's [rows, vocab] temporaries
+            logits = self.model.compute_logits(hidden[: self.max_num_reqs]).float()
+            probs = logits.softmax(dim=-1)
+            probs.div(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+            del logits, probs
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
         del hidden
         torch.cuda.empty_cache()
-        free = int(self.config.cache_config.gpu_memory_utilization * total - peak)
-        logger.info("Memory profile: peak %.2f GiB of %.2f GiB; %.2f GiB for the KV cache",
-                    peak / 2**30, total / 2**30, max(free, 0) / 2**30)
-        return max(free, 0)
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        graphs = 0
+        if self._use_cuda_graphs():
+            largest = capture_sizes(self.max_num_reqs, self.max_num_tokens)[-1]
+            graphs = int((peak - weights) * min(1.0, largest / n))
+        util = self.config.cache_config.gpu_memory_utilization
+        budget = int(util * total - peak - non_torch - graphs)
+        logger.info(
+            "Memory profile: %.2f GiB total x %.2f utilization; weights %.2f GiB, step peak %.2f GiB, "
+            "outside torch %.2f GiB, CUDA graphs ~%.2f GiB -> %.2f GiB for the KV cache",
+            total / 2**30, util, weights / 2**30, (peak - weights) / 2**30, non_torch / 2**30, graphs / 2**30,
+            max(budget, 0) / 2**30,
+        )
+        return max(budget, 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` blocks per layer.
@@ -130,13 +158,39 @@ class ModelRunner:
         if num_blocks < need:
             raise ValueError(
                 f"The KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), less than one sequence of "
-                f"max_model_len={self.max_model_len}; use --max-model-len {num_blocks * bs} or less, or give the "
-                "KV cache more memory."
+                f"max_model_len={self.max_model_len}; use --max-model-len {num_blocks * bs} or less, "
+                f"or {kv_memory_hint(self.config.cache_config, self.device.type)}."
             )
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
+        if self._use_cuda_graphs():
+            self.cuda_graphs = CUDAGraphRunner(
+                self._run_model, self.input_batch.device_buffers, self.input_batch.block_table.block_table,
+                self.kv_caches, self.attn_backend, capture_sizes(self.max_num_reqs, self.max_num_tokens),
+                self.max_model_len,
+            )
+            self.cuda_graphs.capture()
         # The engine core logs the one user-facing KV-cache line; this one is per worker.
         logger.debug("KV cache: %d blocks, %d tokens, max concurrency %.2fx at max_model_len %d",
                     num_blocks, num_blocks * bs, num_blocks / need, self.max_model_len)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need CUDA, the TRITON_ATTN backend, one pipeline stage and no --enforce-eager.
+
+        Tensor-parallel runs stay eager for now: NCCL collectives inside
+        captured graphs are not exercised by our tests yet.
+        """
+        if self.device.type != "cuda" or self.config.device_config.enforce_eager:
+            return False
+        if getattr(self.attn_backend, "name", "") != "TRITON_ATTN":
+            logger.info("CUDA graphs off: the %s attention backend loops on the host",
+                        getattr(self.attn_backend, "name", "?"))
+            return False
+        if ps.model_parallel_is_initialized() and (
+            ps.get_pp_world_size() > 1 or ps.get_tensor_model_parallel_world_size() > 1
+        ):
+            logger.info("CUDA graphs off: tensor/pipeline-parallel runs are eager")
+            return False
+        return True
 
     # ---- one step -------------------------------------------------------------
 
@@ -149,8 +203,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         batch = self.input_batch
         inputs = batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
-        with set_forward_context(inputs.attn_metadata, self.kv_caches, self.attn_backend):
-            hidden = self._run_model(inputs.input_ids, inputs.positions)
+        md = inputs.attn_metadata
+        hidden = None
+        if self.cuda_graphs is not None and md.max_query_len == 1:
+            hidden = self.cuda_graphs.replay(md.num_reqs)
+        if hidden is None:
+            with set_forward_context(md, self.kv_caches, self.attn_backend):
+                hidden = self._run_model(inputs.input_ids, inputs.positions)
         req_ids = [batch.req_ids[r] for r in inputs.rows.tolist()]
         index = {r: i for i, r in enumerate(req_ids)}
         sampled: list[list[int]] = [[] for _ in req_ids]
@@ -242,15 +301,32 @@ class ModelRunner:
 
 
 def _to_host(out: SamplerOutput) -> tuple[list[int], list[list[float]] | None]:
-    """One device->host sync for all results.
+    """One device->host transfer for all results.
 
     With logprobs, each row is packed as float64 [ids (k+1) | logprobs (k+1) | rank]
     (token ids < 2**53 are exact in float64).
     """
     if out.logprobs is None:
-        return out.sampled_token_ids.tolist(), None
-    packed = torch.cat(
+        return _tolist(out.sampled_token_ids), None
+    packed = _tolist(torch.cat(
         [out.logprob_token_ids.double(), out.logprobs.double(), out.sampled_token_ranks.double()[:, None]], dim=1
-    ).tolist()
+    ))
     # Column 0 is the sampled id.
     return [int(r[0]) for r in packed], packed
+
+
+def _tolist(t: torch.Tensor) -> list:
+    """`t.tolist()`; a CUDA tensor is copied into pinned memory and waited for with an event.
+
+    That wait is the step's one host sync; unlike `.tolist()` on a device
+    tensor it is not a stream synchronization, so the step runs clean under
+    `torch.cuda.set_sync_debug_mode("error")`.
+    """
+    if not t.is_cuda:
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()

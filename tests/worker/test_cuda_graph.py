@@ -1,0 +1,52 @@
+"""CUDA-graph bookkeeping that runs anywhere: capture sizes, padding lookup, padding rows.
+
+The capture/replay itself needs a GPU: tests/gpu/test_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
+
+
+def test_capture_sizes_follow_the_issue():
+    assert capture_sizes(256, 8192) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_sizes(1024, 16384)[-1] == 512  # capped at 512
+    assert capture_sizes(40, 8192) == [1, 2, 4, 8, 16, 32, 40]  # the cap itself is captured
+    assert capture_sizes(3, 8192) == [1, 2, 3]
+    assert capture_sizes(256, 24) == [1, 2, 4, 8, 16, 24]  # a step cannot exceed the token budget
+
+
+def test_padded_size_is_smallest_capture_at_least_n():
+    sizes = capture_sizes(64, 8192)
+    assert [padded_size(sizes, n) for n in (1, 3, 5, 8, 9, 17, 64)] == [1, 4, 8, 8, 16, 32, 64]
+    assert padded_size(sizes, 65) is None
+
+
+def test_pad_decode_inputs_makes_harmless_padding_rows():
+    n_buf = 16
+    bufs = {
+        "input_ids": torch.arange(n_buf, dtype=torch.int64) + 100,
+        "positions": torch.arange(n_buf, dtype=torch.int64) + 7,
+        "slot_mapping": torch.arange(n_buf, dtype=torch.int64) + 50,
+        "query_start_loc": torch.arange(n_buf + 1, dtype=torch.int32) * 3,
+        "seq_lens": torch.full((n_buf,), 9, dtype=torch.int32),
+    }
+    before = {k: v.clone() for k, v in bufs.items()}
+    runner = CUDAGraphRunner(lambda i, p: i, bufs, torch.zeros(n_buf, 4, dtype=torch.int32), [], None,
+                             capture_sizes(n_buf, 64), max_model_len=64)
+    runner.pad_decode_inputs(3, 8)
+    # Rows [0, 3) (the live decodes) and everything past the padded size are untouched.
+    for k in bufs:
+        assert torch.equal(bufs[k][:3], before[k][:3]), k
+    assert torch.equal(bufs["slot_mapping"][8:], before["slot_mapping"][8:])
+    # Padding rows write nothing to the KV cache and attend to one slot.
+    assert bufs["slot_mapping"][3:8].tolist() == [-1] * 5
+    assert bufs["seq_lens"][3:8].tolist() == [1] * 5
+    # Live rows keep their query_start_loc (0..3 prefix); padding requests get one token each.
+    assert bufs["query_start_loc"][:4].tolist() == [0, 3, 6, 9]
+    assert bufs["query_start_loc"][4:9].tolist() == [4, 5, 6, 7, 8]
+    assert bufs["input_ids"][3:8].tolist() == [0] * 5 and bufs["positions"][3:8].tolist() == [0] * 5
+    md = runner.metadata(8)
+    assert (md.num_reqs, md.max_query_len, md.max_seq_len, md.slot_mapping.shape[0]) == (8, 1, 64, 8)
