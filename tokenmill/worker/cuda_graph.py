@@ -136,6 +136,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
+        self.buf["query_start_loc"][:1].zero_()
         for size in reversed(self.sizes):
             self.pad_decode_inputs(0, size)
             md = self.metadata(size)
