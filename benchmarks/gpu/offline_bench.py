@@ -187,17 +187,23 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         shutil.rmtree(model_dir, ignore_errors=True)
 
 
-def engine_facts(llm: Any) -> dict[str, Any]:
-    """KV-cache size and the scheduler limits the engine resolved."""
+def engine_facts(llm: Any, startup_s: float) -> dict[str, Any]:
+    """KV-cache size and the scheduler limits the engine resolved (also printed)."""
     from tokenmill.engine.core import kv_cache_bytes_per_block
 
     cfg = llm.llm_engine.engine_config
     cc, sc = cfg.cache_config, cfg.scheduler_config
-    return {"kv_blocks": cc.num_gpu_blocks, "block_size": cc.block_size, "kv_tokens": cc.num_gpu_blocks * cc.block_size,
-            "kv_gib": cc.num_gpu_blocks * kv_cache_bytes_per_block(cfg) / 2**30, "max_num_seqs": sc.max_num_seqs,
-            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_model_len": sc.max_model_len,
-            "dtype": cfg.model_config.dtype, "device": cfg.device_config.device,
-            "enforce_eager": cfg.device_config.enforce_eager, "force_cc70": cfg.device_config.force_cc70}
+    facts = {
+        "kv_blocks": cc.num_gpu_blocks, "block_size": cc.block_size, "kv_tokens": cc.num_gpu_blocks * cc.block_size,
+        "kv_gib": cc.num_gpu_blocks * kv_cache_bytes_per_block(cfg) / 2**30, "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens, "max_model_len": sc.max_model_len,
+        "dtype": cfg.model_config.dtype, "device": cfg.device_config.device,
+        "enforce_eager": cfg.device_config.enforce_eager, "force_cc70": cfg.device_config.force_cc70}
+    print(f"tokenmill: start-up {startup_s:.1f} s; KV cache: {facts['kv_blocks']} blocks x {facts['block_size']} "
+          f"tokens = {facts['kv_tokens']} tokens ({facts['kv_gib']:.2f} GiB); max_num_seqs {facts['max_num_seqs']}, "
+          f"max_num_batched_tokens {facts['max_num_batched_tokens']}, {facts['dtype']}, "
+          f"enforce_eager {facts['enforce_eager']}", flush=True)
+    return facts
 
 
 def free_llm(llm: Any) -> None:
@@ -234,10 +240,7 @@ def tokenmill_generate(llm: Any, recorder: StepRecorder, workload: Workload, pro
 def run_tokenmill(args: argparse.Namespace, workload: Workload, warmups: list[Workload]) -> dict[str, Any]:
     """Start the engine, run each warm-up workload, time `workload`, shut it down."""
     llm, startup = build_llm(args)
-    facts = engine_facts(llm)
-    print(f"tokenmill: start-up {startup:.1f} s; KV cache: {facts['kv_blocks']} blocks x {facts['block_size']} "
-          f"tokens = {facts['kv_tokens']} tokens ({facts['kv_gib']:.2f} GiB); max_num_seqs {facts['max_num_seqs']}, "
-          f"max_num_batched_tokens {facts['max_num_batched_tokens']}, {facts['dtype']}", flush=True)
+    facts = engine_facts(llm, startup)
     recorder = StepRecorder(llm)
     t0 = time.perf_counter()
     for warmup in warmups:
@@ -363,6 +366,7 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     from tokenmill.sampling_params import RequestOutputKind
 
     llm, startup = build_llm(args)
+    facts = engine_facts(llm, startup)
     engine, recorder = llm.llm_engine, StepRecorder(llm)
     prompts = make_workload(3, (args.tpot_input,) * 2, (1, 1), vocab, args.seed)
 
@@ -399,7 +403,7 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
         "execute_model_ms": float(np.mean(spans)) if spans else None,
         "execute_model_timer": "cuda_events" if recorder.cuda else "perf_counter",
         "gpu_kernel_ms_per_decode_step": kernel_ms, "profiled_decode_steps": n_prof if kernel_ms else 0,
-        "host_overhead_ms": tpot - kernel_ms if kernel_ms else None, "engine": engine_facts(llm)}
+        "host_overhead_ms": tpot - kernel_ms if kernel_ms else None, "engine": facts}
     free_llm(llm)
 
 
