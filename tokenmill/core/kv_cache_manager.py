@@ -120,10 +120,17 @@ class KVCacheManager:
         """
         assert num_new_tokens > 0
         block_size = self.block_size
-        num_total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_end = num_total_computed + num_new_tokens
+        req_id = request.request_id
+        num_end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         assert num_end <= self.max_model_len, "scheduled past max_model_len"
-        req_blocks = self.req_to_blocks.get(request.request_id)
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is not None and num_end <= len(req_blocks) * block_size and not new_computed_blocks:
+            # Fast path (most decode steps): the span fits the blocks held, and
+            # no block fills that is not cached yet -> nothing to do.
+            num_known = len(request.all_token_ids)
+            if not self.enable_caching or (num_end if num_end < num_known else num_known) // block_size <= \
+                    self.num_cached_block[req_id]:
+                return []
         if req_blocks is None:
             new_computed_blocks = self._admit(request, num_new_computed_tokens, new_computed_blocks, num_end)
             if new_computed_blocks is None:
