@@ -115,6 +115,12 @@ class Request:
         block_hashes: hashes of the request's full blocks (prefix caching).
     """
 
+    # Slots: the scheduler touches every running request each step; no
+    # per-object __dict__ keeps that walk over fewer cache lines.
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
+                 "max_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
+                 "num_preemptions", "scheduled_time", "status", "stop_reason", "block_hashes")
+
     def __init__(self, req: EngineCoreRequest, max_tokens: int) -> None:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
