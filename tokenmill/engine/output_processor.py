@@ -82,8 +82,7 @@ class RequestState:
 
     def make_completion(self) -> CompletionOutput | None:
         """The completion as the output kind wants it now; None when nothing is due."""
-        finished = self.finished()
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if self.finish_reason is None and self.output_kind == RequestOutputKind.FINAL_ONLY:
             return None
         end = self.shown_text_len()
         delta = self.output_kind == RequestOutputKind.DELTA
@@ -168,17 +167,20 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         per_request: dict[str, RequestOutput] = {}
         order: list[str] = []
+        request_states = self.request_states
         for eco in engine_core_outputs.outputs:
-            state = self.request_states.get(eco.request_id)
+            state = request_states.get(eco.request_id)
             if state is None:  # aborted or stopped here while the core ran ahead
                 continue
             stopped_by_string = self._update(state, eco, now)
             if stopped_by_string and eco.finish_reason is None:
                 reqs_to_abort.append(eco.request_id)
             completion = state.make_completion()
-            if state.finished():
-                del self.request_states[state.request_id]
+            if state.finish_reason is not None:
+                del request_states[state.request_id]
                 self._forget_child(state)
+            elif completion is None and state.parent is None:
+                continue  # a running request with nothing due (FINAL_ONLY): the common offline case
             ro = self._make_request_output(state, completion)
             if ro is None:
                 continue
@@ -203,11 +205,13 @@ class OutputProcessor:
         if eco.num_cached_tokens:
             state.num_cached_tokens = eco.num_cached_tokens
         if new_ids:
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            state.token_ids.extend(new_ids)
-            state.metrics.num_generation_tokens = len(state.token_ids)
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            token_ids = state.token_ids
+            token_ids.extend(new_ids)
+            metrics.num_generation_tokens = len(token_ids)
         if state.want_logprobs and eco.new_logprob_token_ids:
             step_lps = make_step_logprobs(self.tokenizer, eco.new_logprob_token_ids, eco.new_logprobs,
                                           eco.new_sampled_token_ranks)
@@ -232,7 +236,7 @@ class OutputProcessor:
         if not stopped_by_string and eco.finish_reason is not None:
             state.finish_reason = str(eco.finish_reason)
             state.stop_reason = eco.stop_reason
-        if state.finished():
+        if state.finish_reason is not None:
             state.metrics.finished_time = now
         return stopped_by_string
 
