@@ -41,6 +41,12 @@ class SamplingState:
         self.has_sparse = np.zeros(r, bool)
         self.params: list[SamplingParams | None] = [None] * r
         self.generators: list[torch.Generator | None] = [None] * r
+        # Bumped by add/move/clear; with the rows array it keys the metadata cache below.
+        self._version = 0
+        # (rows array, version, metadata) of the last step whose metadata does not
+        # change from step to step (no penalties, no logit_bias / allowed ids /
+        # min_tokens rows): the next step with the same rows object reuses it.
+        self._md_cache: tuple[np.ndarray, int, SamplingMetadata] | None = None
 
     def add(self, row: int, params: SamplingParams, num_output_tokens: int) -> None:
         """Set `row` from `params`; a seeded request resumed after `num_output_tokens`
@@ -69,6 +75,7 @@ class SamplingState:
 
     def move(self, src: int, dst: int) -> None:
         """Copy row `src` onto row `dst` (batch compaction)."""
+        self._version += 1
         for arr in (self.temperature, self.top_k, self.top_p, self.min_p, self.presence,
                     self.frequency, self.repetition, self.min_tokens, self.num_logprobs, self.has_sparse):
             arr[dst] = arr[src]
@@ -76,6 +83,7 @@ class SamplingState:
         self.generators[dst] = self.generators[src]
 
     def clear(self, row: int) -> None:
+        self._version += 1
         self.params[row] = None
         self.generators[row] = None
 
@@ -86,7 +94,17 @@ class SamplingState:
         num_prompt_tokens: np.ndarray,  # [R] int
         num_tokens: np.ndarray,  # [R] int: prompt + output (before this step's sample)
     ) -> SamplingMetadata:
-        """Build the step's `SamplingMetadata` for `rows`; passes nobody needs are None."""
+        """Build the step's `SamplingMetadata` for `rows`; passes nobody needs are None.
+
+        When `rows` is the very array of the previous call (InputBatch hands
+        out the same array while the batch is unchanged), no row was set
+        since, and nothing in the metadata depends on the tokens so far, the
+        previous metadata object is returned again (no new device tensors).
+        The sampler only reads it.
+        """
+        cache = self._md_cache
+        if cache is not None and cache[0] is rows and cache[1] == self._version:
+            return cache[2]
         dev = self.device
         temp = self.temperature[rows]
         greedy = temp == 0.0
@@ -124,6 +142,8 @@ class SamplingState:
         num_lp = self.num_logprobs[rows]
         if (num_lp >= 0).any():
             md.max_num_logprobs = int(num_lp.max())
+        step_dependent = md.output_token_counts is not None or self.has_sparse[rows].any()
+        self._md_cache = None if step_dependent else (rows, self._version, md)
         return md
 
     def _add_masks(self, md: SamplingMetadata, rows: np.ndarray, num_out: np.ndarray) -> None:

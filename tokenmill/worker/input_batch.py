@@ -84,6 +84,14 @@ class InputBatch:
             "logits_indices": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
         }
         self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+        self._host_np = {k: v.numpy() for k, v in self._host.items()}
+        # [0, 1, 2, ...]: query_start_loc and logits_indices of a decode step are prefixes of it.
+        self._arange = np.arange(max(t, r) + 1, dtype=np.int64)
+        # Bumped by every add/remove (rows may have moved); guards the cache below.
+        self._layout_version = 0
+        # (scheduled ids in order, layout version, their rows ascending, argsort order):
+        # steps that schedule the same ids over the same rows (steady decoding) reuse it.
+        self._rows_cache: tuple[list[str], int, np.ndarray, np.ndarray] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -114,6 +122,7 @@ class InputBatch:
         tokens = new.prompt_token_ids + new.output_token_ids
         if len(tokens) > self.max_model_len:
             raise ValueError(f"Request {new.req_id} has {len(tokens)} tokens; max_model_len is {self.max_model_len}.")
+        self._layout_version += 1
         row = self.num_reqs
         self.req_ids.append(new.req_id)
         self.req_id_to_index[new.req_id] = row
@@ -130,6 +139,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return
+        self._layout_version += 1
         last = self.num_reqs - 1
         if row != last:
             moved = self.req_ids[last]
@@ -161,37 +171,54 @@ class InputBatch:
         Raises:
             KeyError: a scheduled request is not in the batch (a contract breach).
         """
-        sched = {r: n for r, n in num_scheduled.items() if n > 0}
-        rows = np.fromiter((self.req_id_to_index[r] for r in sched), np.int64, len(sched))
-        counts = np.fromiter(sched.values(), np.int64, len(sched))
-        order = np.argsort(rows, kind="stable")
-        rows, counts = rows[order], counts[order]
-        num_reqs, total = len(rows), int(counts.sum())
-        h = {k: v.numpy() for k, v in self._host.items()}
+        num_reqs = len(num_scheduled)
+        counts = np.fromiter(num_scheduled.values(), np.int64, num_reqs)
+        if num_reqs and not (counts > 0).all():  # ids with no tokens are not part of the step
+            return self.prepare_inputs({r: n for r, n in num_scheduled.items() if n > 0})
+        rows, order = self._scheduled_rows(num_scheduled)
+        total = int(counts.sum())
+        # Decode step: one token per request, so token i belongs to request i.
+        decode = total == num_reqs
+        if not decode:
+            counts = counts[order]
+        h = self._host_np
 
-        # Each token's request index: counts [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
-        req_idx = np.repeat(np.arange(num_reqs), counts)
-        # Exclusive prefix sum: [2, 5, 3] -> query_start_loc [0, 2, 7, 10]
         qsl = h["query_start_loc"][: num_reqs + 1]
-        qsl[0] = 0
-        np.cumsum(counts, out=qsl[1:])
-        # Offset within its request: arange(10) - [0, 0, 2, 2, 2, 2, 2, 7, 7, 7] -> [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
-        offsets = np.arange(total) - qsl[req_idx]
-        token_rows = rows[req_idx]
         positions = h["positions"][:total]
-        np.add(self.num_computed_tokens[token_rows], offsets, out=positions)
+        if decode:
+            qsl[:] = self._arange[: num_reqs + 1]
+            token_rows = rows
+            np.take(self.num_computed_tokens, rows, out=positions)
+        else:
+            # Each token's request index: counts [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+            req_idx = np.repeat(np.arange(num_reqs), counts)
+            # Exclusive prefix sum: [2, 5, 3] -> query_start_loc [0, 2, 7, 10]
+            qsl[0] = 0
+            np.cumsum(counts, out=qsl[1:])
+            # Offset within its request: arange(10) - [0, 0, 2, 2, 2, 2, 2, 7, 7, 7] -> [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+            offsets = np.arange(total) - qsl[req_idx]
+            token_rows = rows[req_idx]
+            np.add(self.num_computed_tokens[token_rows], offsets, out=positions)
         # Flat index into token_ids: row * max_model_len + position.
         h["input_ids"][:total] = self.token_ids.ravel()[token_rows * self.max_model_len + positions]
         h["slot_mapping"][:total] = self.block_table.slot_mapping(token_rows, positions)
         seq_lens = h["seq_lens"][:num_reqs]
-        seq_lens[:] = self.num_computed_tokens[rows] + counts
+        if decode:
+            np.add(positions, 1, out=seq_lens, casting="unsafe")
+        else:
+            seq_lens[:] = self.num_computed_tokens[rows] + counts
 
         # A request samples when this step reaches its last known token:
         # seq_lens [5, 9], num_tokens [5, 20] -> samples [True, False] (the 2nd is a partial prefill chunk)
         samples = seq_lens >= self.num_tokens[rows]
-        sample_rows = rows[samples]
-        num_sample = len(sample_rows)
-        h["logits_indices"][:num_sample] = qsl[1:][samples] - 1
+        if samples.all():
+            sample_rows = rows
+            num_sample = num_reqs
+            h["logits_indices"][:num_sample] = qsl[1:] - 1
+        else:
+            sample_rows = rows[samples]
+            num_sample = len(sample_rows)
+            h["logits_indices"][:num_sample] = qsl[1:][samples] - 1
 
         d = self._dev
         for name, n in (("input_ids", total), ("positions", total), ("slot_mapping", total),
@@ -200,7 +227,7 @@ class InputBatch:
         md = AttentionMetadata(
             num_actual_tokens=total,
             num_reqs=num_reqs,
-            max_query_len=int(counts.max()) if num_reqs else 0,
+            max_query_len=(1 if decode else int(counts.max())) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             query_start_loc=d["query_start_loc"][: num_reqs + 1],
             seq_lens=d["seq_lens"][:num_reqs],
@@ -215,3 +242,21 @@ class InputBatch:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
         return StepInputs(d["input_ids"][:total], d["positions"][:total], md, d["logits_indices"][:num_sample],
                           rows, sample_rows, sampling_md)
+
+    def _scheduled_rows(self, num_scheduled: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of the scheduled ids, ascending, and the argsort that orders them so.
+
+        ids ["b", "a"] at rows {"a": 0, "b": 3} -> rows [0, 3], order [1, 0].
+        Cached while the same ids come in the same order and no request was
+        added or removed (the usual decode step); the cached arrays are
+        returned as they are and must not be written to.
+        """
+        ids = list(num_scheduled)
+        cache = self._rows_cache
+        if cache is not None and cache[1] == self._layout_version and cache[0] == ids:
+            return cache[2], cache[3]
+        rows = np.fromiter((self.req_id_to_index[r] for r in ids), np.int64, len(ids))
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        self._rows_cache = (ids, self._layout_version, rows, order)
+        return rows, order
