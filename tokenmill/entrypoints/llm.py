@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import EngineArgs
+from tokenmill.engine.core import freeze_gc_heap
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import apply_chat_template
@@ -50,6 +51,7 @@ class LLM:
                              f"{', '.join(sorted(known - {'model'}))}.")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs), usage="llm")
         self._request_counter = itertools.count()
+        freeze_gc_heap()  # start-up objects out of the step loop's GC passes
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
