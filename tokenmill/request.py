@@ -117,9 +117,9 @@ class Request:
 
     # Slots: the scheduler touches every running request each step; no
     # per-object __dict__ keeps that walk over fewer cache lines.
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
-                 "max_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
-                 "num_preemptions", "scheduled_time", "status", "stop_reason", "block_hashes")
+    __slots__ = ("all_token_ids", "arrival_time", "block_hashes", "cache_salt", "max_tokens", "num_cached_tokens",
+                 "num_computed_tokens", "num_preemptions", "output_token_ids", "priority", "prompt_token_ids",
+                 "request_id", "sampling_params", "scheduled_time", "status", "stop_reason")
 
     def __init__(self, req: EngineCoreRequest, max_tokens: int) -> None:
         self.request_id = req.request_id

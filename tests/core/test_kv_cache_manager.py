@@ -71,3 +71,28 @@ def test_every_block_back_after_many_requests(make_request):
         m.free(r)
     assert m.num_free_blocks == 12
     assert all(b.ref_cnt == 0 for b in m.block_pool.blocks)
+
+
+def test_noop_end_tracks_blocks_held_and_next_block_to_cache(make_request):
+    m = make_manager()
+    r = make_request("a", 20)  # 20 prompt tokens: block 0 full (cached), block 1 partial
+    assert m.allocate_slots(r, 20) == [0, 1]
+    # 2 blocks hold 32 slots, but token 31 fills block 1, which is not cached yet.
+    assert m.noop_end["a"] == 31
+    for t in range(20, 31):  # decodes of tokens 20..30: nothing to do
+        r.num_computed_tokens = t
+        r.append_output_token_ids([t])
+        assert m.allocate_slots(r, 1) == [] and m.num_cached_block["a"] == 1
+    r.num_computed_tokens = 31
+    r.append_output_token_ids([31])  # token 31 fills block 1: it is cached now
+    assert m.allocate_slots(r, 1) == [] and m.num_cached_block["a"] == 2
+    assert m.noop_end["a"] == 32  # the next token needs a new block
+    m.free(r)
+    assert "a" not in m.noop_end
+
+
+def test_noop_end_without_caching_is_the_blocks_held(make_request):
+    m = make_manager(caching=False)
+    r = make_request("a", 20)
+    assert m.allocate_slots(r, 20) == [0, 1]
+    assert m.noop_end["a"] == 32

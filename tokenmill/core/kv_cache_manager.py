@@ -52,6 +52,12 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> leading blocks of its table already entered into the hash map
         self.num_cached_block: dict[str, int] = {}
+        # req_id -> the largest span end (num_computed_tokens + num_new_tokens)
+        # for which allocate_slots has nothing to do: the blocks held cover it
+        # and no block that is not cached yet fills below it.
+        #   block_size 4, 3 blocks held, 2 cached -> min(3 * 4, 3 * 4 - 1) = 11
+        # The scheduler reads it to skip the call on most decode steps.
+        self.noop_end: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -123,14 +129,9 @@ class KVCacheManager:
         req_id = request.request_id
         num_end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         assert num_end <= self.max_model_len, "scheduled past max_model_len"
+        if num_end <= self.noop_end.get(req_id, -1) and not new_computed_blocks:
+            return []  # most decode steps
         req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is not None and num_end <= len(req_blocks) * block_size and not new_computed_blocks:
-            # Fast path (most decode steps): the span fits the blocks held, and
-            # no block fills that is not cached yet -> nothing to do.
-            num_known = len(request.all_token_ids)
-            if not self.enable_caching or (num_end if num_end < num_known else num_known) // block_size <= \
-                    self.num_cached_block[req_id]:
-                return []
         if req_blocks is None:
             new_computed_blocks = self._admit(request, num_new_computed_tokens, new_computed_blocks, num_end)
             if new_computed_blocks is None:
@@ -157,7 +158,16 @@ class KVCacheManager:
                 block_hashes = update_block_hashes(block_size, request)
                 self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
                 self.num_cached_block[request.request_id] = num_full_blocks
+        self._set_noop_end(req_id, len(req_blocks))
         return new_block_ids
+
+    def _set_noop_end(self, req_id: str, num_blocks: int) -> None:
+        end = num_blocks * self.block_size
+        if self.enable_caching:
+            # One token short of filling the first block not cached yet.
+            first_uncached_fills_at = (self.num_cached_block[req_id] + 1) * self.block_size
+            end = end if end < first_uncached_fills_at else first_uncached_fills_at - 1
+        self.noop_end[req_id] = end
 
     def _admit(
         self, request: Request, num_new_computed_tokens: int, new_computed_blocks: list[KVCacheBlock] | None, num_end: int
@@ -196,6 +206,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self.noop_end.pop(request.request_id, None)
         if not blocks:
             return
         for block in blocks[request.num_computed_tokens // self.block_size :]:

@@ -177,6 +177,7 @@ class Scheduler:
         # num_computed_tokens advanced as soon as its entry is recorded.
         kv = self.kv_cache_manager
         allocate_slots = kv.allocate_slots
+        noop_end_get = kv.noop_end.get
         max_model_len = self.max_model_len
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -197,32 +198,30 @@ class Scheduler:
             num_left = len(request.all_token_ids) - num_computed
             # min(num_left, token_budget, max_model_len - num_computed), spelled
             # out: builtin min() costs ~10x a comparison on Python 3.11.
-            num_new = num_left if num_left < token_budget else token_budget
-            if max_model_len - num_computed < num_new:
+            num_new = num_left if num_left < token_budget else token_budget  # noqa: FURB136
+            if max_model_len - num_computed < num_new:  # noqa: PLR1730
                 num_new = max_model_len - num_computed
             if num_new <= 0:
                 i += 1
                 continue
-            while (block_ids := allocate_slots(request, num_new)) is None:
-                victim = self._pick_victim()
-                victim_index = running.index(victim)
-                running.pop(victim_index)
-                if victim_index < i:
-                    # Already scheduled this step: undo its entry and give back its budget.
-                    i -= 1
-                    n = num_scheduled.pop(victim.request_id)
-                    victim.num_computed_tokens -= n
-                    token_budget += n
-                    if victim.num_computed_tokens + n < victim.num_tokens:
-                        num_partial -= 1
-                    j = cached_req_ids.index(victim.request_id)
-                    del cached_req_ids[j], cached_new_blocks[j], cached_computed[j]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+            if num_computed + num_new <= noop_end_get(request.request_id, -1):
+                block_ids = []  # allocate_slots would do nothing (see KVCacheManager.noop_end)
+            else:
+                while (block_ids := allocate_slots(request, num_new)) is None:
+                    victim = self._pick_victim()
+                    victim_index = running.index(victim)
+                    running.pop(victim_index)
+                    if victim_index < i:  # already scheduled this step: undo it, take its budget back
+                        i -= 1
+                        n, was_partial = self._unschedule(victim, num_scheduled, cached)
+                        token_budget += n
+                        num_partial -= was_partial
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if block_ids is None:
                     break
-            if block_ids is None:
-                break
             cached_req_ids.append(request.request_id)
             cached_new_blocks.append(block_ids)
             cached_computed.append(num_computed)
@@ -235,36 +234,9 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, only when nobody had to be preempted.
-        while not preempted and len(self.waiting) > 0 and token_budget > 0 and len(running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, max_model_len - num_hit_tokens)
-            if not self.enable_chunked_prefill and num_new > token_budget:
-                break
-            num_new = min(num_new, token_budget)
-            assert num_new > 0
-            block_ids = allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
-            if block_ids is None:
-                break
-            self.waiting.pop()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-                request.scheduled_time = time.time()
-            request.status = RequestStatus.RUNNING
-            running.append(request)
-            scheduled_new.append(NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens,
-            ))
-            num_scheduled[request.request_id] = num_new
-            if num_hit_tokens + num_new < request.num_tokens:
-                num_partial += 1
-            request.num_computed_tokens = num_hit_tokens + num_new
-            token_budget -= num_new
+        if not preempted:
+            token_budget, num_partial_new = self._schedule_waiting(token_budget, num_scheduled, scheduled_new)
+            num_partial += num_partial_new
 
         total = self.max_num_batched_tokens - token_budget
         finished = self.finished_req_ids | {r.request_id for r in preempted} if preempted else self.finished_req_ids
@@ -283,6 +255,59 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
         )
+
+    def _schedule_waiting(self, token_budget: int, num_scheduled: dict[str, int],
+                          scheduled_new: list[NewRequestData]) -> tuple[int, int]:
+        """Admit waiting requests in queue order while budget, blocks and max_num_seqs allow.
+
+        Fills `num_scheduled` and `scheduled_new` and advances each admitted
+        request's num_computed_tokens (past its prefix-cache hits and this
+        step's tokens). Returns (the budget left, how many admitted requests
+        got a partial prefill chunk).
+        """
+        kv = self.kv_cache_manager
+        max_model_len = self.max_model_len
+        num_partial = 0
+        while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, max_model_len - num_hit_tokens)
+            if not self.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            assert num_new > 0
+            block_ids = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens,
+            ))
+            num_scheduled[request.request_id] = num_new
+            if num_hit_tokens + num_new < request.num_tokens:
+                num_partial += 1
+            request.num_computed_tokens = num_hit_tokens + num_new
+            token_budget -= num_new
+        return token_budget, num_partial
+
+    @staticmethod
+    def _unschedule(request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> tuple[int, int]:
+        """Undo a running request's entry of this step; returns (its tokens, 1 if it was a partial chunk else 0)."""
+        n = num_scheduled.pop(request.request_id)
+        request.num_computed_tokens -= n
+        j = cached.req_ids.index(request.request_id)
+        del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
+        return n, int(request.num_computed_tokens + n < request.num_tokens)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
