@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU visit = one call of this script with the parts to run, in order; each part logs to
+# $OUT/<part>.log (and JSON where the tool writes one) and a summary table is printed at the end.
+#
+#   bash benchmarks/gpu/suite.sh tests tpot short       # on nvidia-h200
+#   bash benchmarks/gpu/suite.sh offline
+#   bash benchmarks/gpu/suite.sh cc70 moe prefix
+#   bash benchmarks/gpu/suite.sh tp                      # on nvidia-h200-x2
+#
+# Parts (commands as written in docs/benchmarks.md):
+#   gputests tests/gpu and tests/kernels only, not stopping at the first failure
+#   (part:seconds sets that part's time limit, default $PART_TIMEOUT or 560)
+#   tests    GPU tests (tests/gpu, CUDA kernel tests) via benchmarks/gpu/run_gpu_tests.sh if present
+#   tpot     offline_bench.py --part tpot   (Llama-3.1-8B config, dummy weights, bf16)
+#   short    offline_bench.py --part short  (256 x 128 in / 128 out, both engines)
+#   offline  offline_bench.py --part offline (1000 prompts, HF baseline on 200)
+#   cc70     offline_bench.py --part offline --force-cc70 (fp16, V100 code paths)
+#   moe      offline_bench.py --part offline --config qwen3-30b-a3b.json --hf-prompts 0
+#   prefix   prefix_cache_bench.py, 200 requests, Llama-3.1-8B config
+#   tp       tp_bench.py (TP=1 vs TP=2; two GPUs)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=.
+unset TRITON_INTERPRET
+COMMIT=${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+LIMIT=${PART_TIMEOUT:-560}
+summary=()
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for spec in "$@"; do
+  part=${spec%%:*}
+  limit=$LIMIT
+  [[ $spec == *:* ]] && limit=${spec##*:}  # part:seconds
+  start=$(date +%s)
+  case $part in
+    tests)   cmd="bash benchmarks/gpu/run_gpu_tests.sh" ;;
+    gputests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu tests/kernels" ;;
+    tpot)    cmd="python benchmarks/gpu/offline_bench.py --part tpot --git-commit $COMMIT --json-out $OUT/tpot.json" ;;
+    short)   cmd="python benchmarks/gpu/offline_bench.py --part short --git-commit $COMMIT --json-out $OUT/short.json" ;;
+    offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --git-commit $COMMIT --json-out $OUT/offline.json" ;;
+    cc70)    cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --git-commit $COMMIT --json-out $OUT/cc70.json" ;;
+    moe)     cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/moe.json" ;;
+    prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 4 --output-len 32 --json-out $OUT/prefix.json" ;;
+    tp)      cmd="python benchmarks/gpu/tp_bench.py --json-out $OUT/tp.json" ;;
+    *) echo "unknown part $part"; continue ;;
+  esac
+  echo "=== $part: $cmd"
+  timeout "$limit" $cmd > "$OUT/$part.log" 2>&1
+  rc=$?
+  tail -n 40 "$OUT/$part.log"
+  summary+=("$part rc=$rc $(( $(date +%s) - start ))s")
+done
+echo "=== summary (commit $COMMIT)"
+printf '%s\n' "${summary[@]}"
