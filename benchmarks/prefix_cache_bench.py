@@ -24,7 +24,7 @@ CPU (bundled SmolLM2-135M, float32), from the repo root:
 H200 (Llama-3.1-8B shapes, dummy weights, bf16, no tokenizer):
 
     PYTHONPATH=. python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json \\
-        --load-format dummy --skip-tokenizer-init --num-requests 200 --request-rate 4 --output-len 32 \\
+        --load-format dummy --skip-tokenizer-init --num-requests 200 --request-rate 8 --output-len 32 \\
         --json-out prefix_cache_h200.json
 """
 

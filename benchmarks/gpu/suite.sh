@@ -41,7 +41,7 @@ for spec in "$@"; do
     offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --git-commit $COMMIT --json-out $OUT/offline.json" ;;
     cc70)    cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --git-commit $COMMIT --json-out $OUT/cc70.json" ;;
     moe)     cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/moe.json" ;;
-    prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 4 --output-len 32 --json-out $OUT/prefix.json" ;;
+    prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 8 --output-len 32 --json-out $OUT/prefix.json" ;;
     tp)      cmd="python benchmarks/gpu/tp_bench.py --json-out $OUT/tp.json" ;;
     *) echo "unknown part $part"; continue ;;
   esac
