@@ -92,6 +92,10 @@ class InputBatch:
         # (scheduled ids in order, layout version, their rows ascending, argsort order):
         # steps that schedule the same ids over the same rows (steady decoding) reuse it.
         self._rows_cache: tuple[list[str], int, np.ndarray, np.ndarray] | None = None
+        # (name, n) -> (host[:n], device[:n]) for n <= max_num_reqs + 1 (decode-sized
+        # steps): a torch slice costs ~2 us, and a step takes ~20 of them.
+        self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._max_cached_view = r + 1
 
     @property
     def num_reqs(self) -> int:
@@ -220,19 +224,21 @@ class InputBatch:
             num_sample = len(sample_rows)
             h["logits_indices"][:num_sample] = qsl[1:][samples] - 1
 
-        d = self._dev
+        dev = {}
         for name, n in (("input_ids", total), ("positions", total), ("slot_mapping", total),
                         ("query_start_loc", num_reqs + 1), ("seq_lens", num_reqs), ("logits_indices", num_sample)):
-            d[name][:n].copy_(self._host[name][:n], non_blocking=True)
+            host_view, dev_view = self._staged(name, n)
+            dev_view.copy_(host_view, non_blocking=True)
+            dev[name] = dev_view
         md = AttentionMetadata(
             num_actual_tokens=total,
             num_reqs=num_reqs,
             max_query_len=(1 if decode else int(counts.max())) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-            query_start_loc=d["query_start_loc"][: num_reqs + 1],
-            seq_lens=d["seq_lens"][:num_reqs],
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
             block_table=self.block_table.commit(rows),
-            slot_mapping=d["slot_mapping"][:total],
+            slot_mapping=dev["slot_mapping"],
             # Copies: the staging buffers are rewritten next step while backends may hold these.
             query_start_loc_cpu=qsl.copy(),
             seq_lens_cpu=seq_lens.copy(),
@@ -240,8 +246,18 @@ class InputBatch:
         sampling_md = None
         if num_sample:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
-        return StepInputs(d["input_ids"][:total], d["positions"][:total], md, d["logits_indices"][:num_sample],
-                          rows, sample_rows, sampling_md)
+        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"], rows, sample_rows,
+                          sampling_md)
+
+    def _staged(self, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host staging[:n], device buffer[:n]) of buffer `name`; cached for decode-sized n."""
+        key = (name, n)
+        views = self._views.get(key)
+        if views is None:
+            views = (self._host[name][:n], self._dev[name][:n])
+            if n <= self._max_cached_view:
+                self._views[key] = views
+        return views
 
     def _scheduled_rows(self, num_scheduled: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of the scheduled ids, ascending, and the argsort that orders them so.
