@@ -10,7 +10,6 @@ Used in-process by `LLMEngine` and in its own process by the server
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Any
 
@@ -67,21 +66,6 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, me
                "--num-gpu-blocks-override)")
             + "."
         )
-
-
-def freeze_gc_heap() -> None:
-    """Collect garbage once, then exempt every object alive now from later GC passes.
-
-    Call once after an engine is built. Start-up leaves a few hundred
-    thousand long-lived objects (torch and model modules, the engine
-    itself); each full collection of Python's cyclic GC walks all of them
-    (~0.1-0.4 s), and a busy decode loop triggers such collections now and
-    then, stalling a step. `gc.freeze()` moves them to the permanent
-    generation; reference counting still frees them. The collection first
-    makes sure no garbage cycle (which could hold tensors) is frozen.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def _executor_class(engine_config: Any) -> type:

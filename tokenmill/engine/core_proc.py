@@ -109,7 +109,7 @@ def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket, core
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(num_threads)
         core = cls(engine_config)
-        from tokenmill.engine.core import freeze_gc_heap
+        from tokenmill.engine.gc_heap import freeze_gc_heap
 
         freeze_gc_heap()  # start-up objects out of the step loop's GC passes
     except Exception as exc:  # noqa: BLE001 - reported to the front end, which exits

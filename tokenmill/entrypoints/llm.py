@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine.core import freeze_gc_heap
+from tokenmill.engine.gc_heap import gc_heap_frozen
 from tokenmill.engine.input_processor import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import apply_chat_template
@@ -51,7 +51,6 @@ class LLM:
                              f"{', '.join(sorted(known - {'model'}))}.")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs), usage="llm")
         self._request_counter = itertools.count()
-        freeze_gc_heap()  # start-up objects out of the step loop's GC passes
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -165,15 +164,17 @@ class LLM:
             pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         num_generated = 0
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        if pbar is not None:
-                            num_generated += sum(len(c.token_ids) for c in out.outputs)
-                            elapsed = pbar.format_dict["elapsed"] or 1e-9
-                            pbar.set_postfix_str(f"output: {num_generated / elapsed:.1f} toks/s", refresh=False)
-                            pbar.update(1)
+            # Objects alive now (model, engine, these requests) skip the GC passes of the step loop.
+            with gc_heap_frozen():
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            if pbar is not None:
+                                num_generated += sum(len(c.token_ids) for c in out.outputs)
+                                elapsed = pbar.format_dict["elapsed"] or 1e-9
+                                pbar.set_postfix_str(f"output: {num_generated / elapsed:.1f} toks/s", refresh=False)
+                                pbar.update(1)
         except BaseException:
             engine.abort_request(list(request_ids))  # Ctrl-C or an engine error: free everything
             raise
