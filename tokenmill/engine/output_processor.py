@@ -168,6 +168,7 @@ class OutputProcessor:
         per_request: dict[str, RequestOutput] = {}
         order: list[str] = []
         request_states = self.request_states
+        final_only = RequestOutputKind.FINAL_ONLY
         for eco in engine_core_outputs.outputs:
             state = request_states.get(eco.request_id)
             if state is None:  # aborted or stopped here while the core ran ahead
@@ -175,12 +176,12 @@ class OutputProcessor:
             stopped_by_string = self._update(state, eco, now)
             if stopped_by_string and eco.finish_reason is None:
                 reqs_to_abort.append(eco.request_id)
+            if state.finish_reason is None and state.parent is None and state.output_kind == final_only:
+                continue  # running, and nothing is due before the end (the offline case)
             completion = state.make_completion()
             if state.finish_reason is not None:
                 del request_states[state.request_id]
                 self._forget_child(state)
-            elif completion is None and state.parent is None:
-                continue  # a running request with nothing due (FINAL_ONLY): the common offline case
             ro = self._make_request_output(state, completion)
             if ro is None:
                 continue
