@@ -341,6 +341,7 @@ class Scheduler:
         sampled_token_ids = mro.sampled_token_ids
         lp = mro.logprobs
         check_stop = self._check_stop
+        max_model_len = self.max_model_len
         first_finished = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -354,9 +355,14 @@ class Scheduler:
                 continue  # partial prefill chunk
             if len(sampled) == 1:  # every step without speculative decoding
                 token_id = sampled[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                stopped = check_stop(request)
+                output_token_ids = request.output_token_ids
+                output_token_ids.append(token_id)
+                all_token_ids = request.all_token_ids
+                all_token_ids.append(token_id)
+                # _check_stop only when a stop token or a length limit is hit (cheap pre-test).
+                stopped = (token_id in request.sampling_params.all_stop_token_ids
+                           or len(output_token_ids) >= request.max_tokens
+                           or len(all_token_ids) >= max_model_len) and check_stop(request)
                 new_token_ids = [token_id]
             else:
                 new_token_ids = []
