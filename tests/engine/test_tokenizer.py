@@ -64,3 +64,28 @@ def test_template_error_is_value_error(tokenizer):
     bad = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
         apply_chat_template(tokenizer, MESSAGES, chat_template=bad)
+
+
+def test_gguf_conversion_equals_plain_transformers(smollm2_gguf, tmp_path, monkeypatch):
+    """A cold conversion (config parse through tokenmill's GGUF reader view) == transformers' own, token for token."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    ours = load_tokenizer(smollm2_gguf)
+    assert _gguf_cache_dir(Path(smollm2_gguf)).is_relative_to(tmp_path)  # really cold
+    folder, name = os.path.split(smollm2_gguf)
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert type(ours) is type(ref)
+    assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == ref.special_tokens_map and ours.chat_template == ref.chat_template
+    for text in ["Hello, world!", "\u65e5\u672c\u8a9e\u3068\u4e2d\u6587", "emoji \U0001f916\U0001f389\U0001f44d\U0001f3fd",
+                 " tabs\tand\nnewlines  "]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text)
+        assert ours.decode(ids) == ref.decode(ids) == text
+    assert apply_chat_template(ours, MESSAGES) == apply_chat_template(ref, MESSAGES)

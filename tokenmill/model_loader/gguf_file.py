@@ -4,7 +4,10 @@
 field; for a model with a 49k-token vocabulary and its merges that is
 several seconds (tens under load) spent on tokenizer fields the weight
 loader never reads. This reader walks the same header with `struct` over a
-memory map, skips arrays, and keeps only scalar fields.
+memory map, skips arrays, and keeps only scalar fields; with `fields=True`
+it also keeps every key-value pair as stored, arrays read whole (a
+262k-token vocabulary: ~0.3 s, against ~15 s for GGUFReader's per-element
+views), for `gguf_reader_view`.
 
 Layout (GGUF v2/v3, little-endian; llama.cpp's docs/gguf.md):
 
@@ -39,6 +42,15 @@ class GGUFTensorInfo:
     offset: int  # absolute byte offset of the data in the file
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFField:
+    """One metadata key-value pair as the file stores it (`read_gguf(path, fields=True)`)."""
+
+    key: str
+    types: tuple[int, ...]  # (value type,) or (9, item type) for an array: GGUF value type numbers
+    value: Any  # int, float, bool, or bytes (strings undecoded); a list of those for an array
+
+
 @dataclass(slots=True)
 class GGUFFile:
     """Scalar metadata and tensor infos of a GGUF file; `tensor_data` maps a tensor's bytes."""
@@ -47,6 +59,8 @@ class GGUFFile:
     metadata: dict[str, Any]  # scalar fields only (strings, numbers, bools); arrays skipped
     tensors: list[GGUFTensorInfo]
     _buf: Any = None
+    version: int = 3  # GGUF format version
+    fields: list[GGUFField] | None = None  # every key-value pair in file order; only with fields=True
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's raw data as `gguf.quants.dequantize` takes it (as GGUFReader's `tensor.data`).
@@ -70,11 +84,15 @@ class GGUFFile:
         return raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
 
 
-def read_gguf(path: str) -> GGUFFile:
+def read_gguf(path: str, fields: bool = False) -> GGUFFile:
     """Parse `path`'s header; tensor data stays on disk (memory-mapped).
 
+    `fields=True` also reads every metadata value, arrays included, into
+    `GGUFFile.fields` (strings as raw bytes).
+
     Raises:
-        ValueError: not a GGUF file, or an unsupported version (v1).
+        ValueError: not a GGUF file, an unsupported version (v1), or (with
+            `fields=True`) an array of arrays, which no GGUF writer emits.
     """
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -87,9 +105,18 @@ def read_gguf(path: str) -> GGUFFile:
         raise ValueError(f"{path} is GGUF version {version}; only versions 2 and 3 are supported.")
     n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
     metadata: dict[str, Any] = {}
+    kept: list[GGUFField] | None = [] if fields else None
     for _ in range(n_kv):
         key = r.string()
-        value = r.value(r.scalar("<I"))
+        vtype = r.scalar("<I")
+        if kept is not None:
+            field = r.field(key, vtype)
+            kept.append(field)
+            value = field.value.decode("utf-8", errors="replace") if vtype == _STRING else field.value
+            if vtype != _ARRAY:
+                metadata[key] = value
+            continue
+        value = r.value(vtype)
         if value is not _SKIPPED:
             metadata[key] = value
     raw_infos = []
@@ -100,10 +127,11 @@ def read_gguf(path: str) -> GGUFFile:
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     data_start = -(-r.pos // alignment) * alignment
     tensors = [GGUFTensorInfo(name, shape, t, data_start + off) for name, shape, t, off in raw_infos]
-    return GGUFFile(path=path, metadata=metadata, tensors=tensors, _buf=buf)
+    return GGUFFile(path=path, metadata=metadata, tensors=tensors, _buf=buf, version=version, fields=kept)
 
 
 _SKIPPED = object()
+_U64 = struct.Struct("<Q")
 
 
 class _Cursor:
@@ -117,10 +145,43 @@ class _Cursor:
         return value
 
     def string(self) -> str:
+        return self.raw_string().decode("utf-8", errors="replace")
+
+    def raw_string(self) -> bytes:
         n = self.scalar("<Q")
-        s = self.buf[self.pos:self.pos + n].decode("utf-8", errors="replace")
+        s = self.buf[self.pos:self.pos + n]
         self.pos += n
         return s
+
+    def field(self, key: str, vtype: int) -> GGUFField:
+        """The value of type `vtype` at the cursor, read whole (arrays too)."""
+        if vtype == _STRING:
+            return GGUFField(key, (vtype,), self.raw_string())
+        if vtype != _ARRAY:
+            fmt = _SCALAR_FMT.get(vtype)
+            if fmt is None:
+                raise ValueError(f"Unknown GGUF value type {vtype} at byte {self.pos}.")
+            return GGUFField(key, (vtype,), self.scalar(fmt))
+        item_type, count = self.scalar("<I"), self.scalar("<Q")
+        if item_type == _STRING:
+            return GGUFField(key, (vtype, item_type), self._string_array(count))
+        fmt = _SCALAR_FMT.get(item_type)
+        if fmt is None:
+            raise ValueError(f"GGUF field {key!r} is an array of value type {item_type}, which is not supported.")
+        values = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))  # one call for the whole array
+        self.pos += struct.calcsize(fmt) * count
+        return GGUFField(key, (vtype, item_type), values)
+
+    def _string_array(self, count: int) -> list[bytes]:
+        # Locals: this loop runs once per vocabulary entry (262k for Gemma 3, ~0.2 s).
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            out.append(buf[pos + 8:pos + 8 + n])
+            pos += 8 + n
+        self.pos = pos
+        return out
 
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
