@@ -5,7 +5,8 @@ prompts that run_peers.py wrote (the same text `bench serve` sends), groups
 them in consecutive batches of `--batch-size` (the concurrency), left-pads
 each batch and calls `generate(max_new_tokens=L, min_new_tokens=L)` so every
 request yields exactly its requested output length (the `--ignore-eos`
-equivalent).  Writes a result JSON with `bench serve`'s key names
+equivalent).  One 2-token call on the first batch warms up first (untimed).
+Writes a result JSON with `bench serve`'s key names
 (output_throughput, total_token_throughput, request_throughput, ...);
 latency keys are per batch: e2el of a request = the wall time of its batch.
 
@@ -43,6 +44,14 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+
+    # Warm-up outside the timing, as the servers get theirs (start-up, the
+    # sanity question): one short greedy call on the first batch's shapes.
+    first = tokenizer([r["prompt"] for r in rows[:args.batch_size]], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+    with torch.inference_mode():
+        model.generate(**first, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)
 
     total_in = total_out = 0
     e2els: list[float] = []

@@ -117,6 +117,12 @@ class Peer:
             env["PYTHONPATH"] = str(ROOT)
         if self.engine == "vllm":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+            # vLLM 0.32's default AOT compile cache never loads on CPU (its
+            # eager-wrapped artifact lacks `finalize_loading`), so every start
+            # recompiled with Inductor: 3.5-6 min.  The older cache path loads
+            # the same compiled graphs again (second start ~1 min); the model
+            # still runs Inductor-compiled.
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         return env
 
     def extra_body(self) -> str | None:
@@ -135,6 +141,13 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("llamaserver-q4_1", "llamaserver", "q4_1", per_concurrency_server=True),
     Peer("transformers-fp32", "hf", "float32"),
 )}
+
+# What `run_peers.py` runs without --peers: llama.cpp is represented by its
+# own llama-server (parallel slots).  llama-cpp-python's server (llamacpp-q4_1)
+# serves one request at a time, so its rows repeat the concurrency-1 speed
+# while it costs ~6 of the sweep's minutes; `--peers all` adds it.
+DEFAULT_PEERS = ("tokenmill-fp32", "vllm-cpu-fp32", "tokenmill-bf16", "vllm-cpu-bf16", "llamaserver-q4_1",
+                 "transformers-fp32")
 
 # The peer each one is compared with in the ratio column (same dtype).
 BASELINE = {"tokenmill-fp32": "vllm-cpu-fp32", "tokenmill-bf16": "vllm-cpu-bf16",

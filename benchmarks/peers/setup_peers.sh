@@ -4,7 +4,11 @@
 # is skipped when its stamp file exists.  Usage:
 #   bash benchmarks/peers/setup_peers.sh [hf] [model] [vllm] [llamacpp] [llamaserver]
 # (no argument: all five).  Environment: PYTHON (default python3.11 or
-# python3), JOBS (compile jobs for llama.cpp, default 2).
+# python3), JOBS (compile jobs for llama.cpp, default 2),
+# LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version measured so far).
+# Run it under `nice -n 19` on a shared machine: the two llama.cpp builds take
+# about an hour each on 2 busy cores.  Both builds keep their build folders,
+# so an interrupted run resumes where it stopped.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -12,6 +16,16 @@ VENVS="$HERE/.venvs"
 MODELS="$HERE/.models"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 JOBS="${JOBS:-2}"
+LCP_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+# The llama-cpp-python sdist and its vendored llama.cpp, unpacked once and
+# built twice: by pip for the llamacpp venv, by cmake for llama-server.
+LLAMA_SRC_DIR="$VENVS/llamaserver/src"
+# Both llama.cpp builds: -march=native minus AMX.  With AMX, ggml's Q4_1
+# matmul dies with SIGILL (`tilezero` in tinygemm_kernel_amx) on this VM,
+# although the CPU lists amx_tile/amx_int8 and the kernel grants the tile
+# permission; Q4_1 has no other extra-buffer (repack) path, so dropping AMX
+# leaves the AVX-512 (VNNI) dot products that a non-AMX CPU would run.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 mkdir -p "$VENVS" "$MODELS"
 
 steps=("$@")
@@ -56,14 +70,36 @@ setup_vllm() {  # vLLM's CPU build; it pins torch 2.13.0+cpu, taken from disk
     touch "$dir/.done"; log "vllm: installed"
 }
 
-setup_llamacpp() {  # llama.cpp's server through llama-cpp-python (CPU build)
+llama_src() {  # download and unpack the pinned llama-cpp-python sdist once; print its folder
+    local sdist="$LLAMA_SRC_DIR/llama_cpp_python-$LCP_VERSION.tar.gz"
+    local src="$LLAMA_SRC_DIR/llama_cpp_python-$LCP_VERSION"
+    mkdir -p "$LLAMA_SRC_DIR"
+    if [ ! -f "$sdist" ]; then
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$LLAMA_SRC_DIR" \
+            "llama-cpp-python==$LCP_VERSION" >&2
+    fi
+    # Unpacked once: unpacking again would touch every source file and make
+    # the kept build folders recompile everything.
+    [ -f "$src/CMakeLists.txt" ] || tar -xzf "$sdist" -C "$LLAMA_SRC_DIR"
+    echo "$src"
+}
+
+setup_llamacpp() {  # llama-cpp-python[server] built from the pinned sdist for this CPU
     local dir="$VENVS/llamacpp"
     [ -f "$dir/.done" ] && { log "llamacpp: ready"; return; }
     make_venv llamacpp
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF}" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-        "$dir/bin/python" -m pip install -q 'llama-cpp-python[server]'
-    "$dir/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+    local src; src="$(llama_src)"
+    # No build isolation, so that pip's build folder ($dir/build) stays valid
+    # between runs (an isolated build would point it at a deleted cmake).
+    "$dir/bin/python" -m pip install -q scikit-build-core cmake ninja
+    # LLAVA_BUILD=OFF: no multimodal library (loaded only for image chats).
+    log "llamacpp: building llama-cpp-python $LCP_VERSION with $JOBS jobs (log: $dir/build.log)"
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF \
+-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" PATH="$dir/bin:$PATH" \
+        "$dir/bin/python" -m pip install -v --no-build-isolation -C build-dir="$dir/build" \
+        "$src[server]" > "$dir/build.log" 2>&1 || { tail -30 "$dir/build.log" >&2; return 1; }
+    "$dir/bin/python" -c "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)"
     touch "$dir/.done"; log "llamacpp: installed"
 }
 
@@ -72,19 +108,15 @@ setup_llamaserver() {  # llama.cpp's own llama-server, from the source llama-cpp
     [ -f "$dir/.done" ] && { log "llamaserver: ready"; return; }
     make_venv llamaserver
     "$dir/bin/python" -m pip install -q cmake ninja
-    local version=""
-    [ -x "$VENVS/llamacpp/bin/python" ] && version="$("$VENVS/llamacpp/bin/python" -c \
-        'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)"
-    mkdir -p "$dir/src"
-    "$dir/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$dir/src" \
-        "llama-cpp-python${version:+==$version}"
-    local sdist; sdist="$(ls "$dir"/src/llama_cpp_python-*.tar.gz | head -1)"
-    tar -xzf "$sdist" -C "$dir/src"
-    local src; src="$(ls -d "$dir"/src/llama_cpp_python-*/vendor/llama.cpp | head -1)"
-    PATH="$dir/bin:$PATH" cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
-    PATH="$dir/bin:$PATH" cmake --build "$dir/build" --target llama-server -j "$JOBS"
+    local src; src="$(llama_src)/vendor/llama.cpp"
+    log "llamaserver: building llama-server with $JOBS jobs (log: $dir/build.log)"
+    {
+        PATH="$dir/bin:$PATH" cmake -S "$src" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+            -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+            -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" &&
+        PATH="$dir/bin:$PATH" cmake --build "$dir/build" --target llama-server -j "$JOBS"
+    } > "$dir/build.log" 2>&1 || { tail -30 "$dir/build.log" >&2; return 1; }
     cp "$dir/build/bin/llama-server" "$dir/bin/llama-server"
     "$dir/bin/llama-server" --version 2>&1 | tail -2
     touch "$dir/.done"; log "llamaserver: built"
