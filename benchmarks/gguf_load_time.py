@@ -4,8 +4,10 @@ Each measurement runs in a fresh Python process (imports done before the
 clock starts), one after the other:
 
     tokenmill cold    LLM(model=gguf, dtype=float32) with an empty cache dir
-                      (TOKENMILL_CACHE_DIR): GGUF config and tokenizer parsed
-                      by transformers, weights by tokenmill's own reader
+                      (TOKENMILL_CACHE_DIR): GGUF config and tokenizer built
+                      by transformers from metadata tokenmill's header reader
+                      parsed (model_loader/gguf_reader_view.py), weights by
+                      tokenmill's own reader
     tokenmill warm    the same, config and tokenizer from that cache
     transformers      AutoTokenizer + AutoModelForCausalLM from_pretrained
                       (gguf_file=, dtype float32): transformers' GGUF reader
