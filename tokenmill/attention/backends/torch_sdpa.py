@@ -21,9 +21,9 @@ keys do not fit one tile (`kv_tile_size` keys), the keys are visited in
 tiles with an online softmax (running max `m` and sum `l`; Milakov &
 Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022), so no
 score tensor is larger than [heads, query_len, tile] per request.
-A fresh prompt (no cached context, no soft-cap) goes straight to
-`torch.nn.functional.scaled_dot_product_attention`, whose CPU/CUDA kernels
-are themselves tiled.
+A fresh prompt, and a chunk whose cached context and itself fit one tile
+(no soft-cap), go straight to `torch.nn.functional.scaled_dot_product_attention`
+(the chunk with its tile's mask), whose fused CPU/CUDA kernels are themselves tiled.
 
 Everything that depends only on the step's metadata (which blocks each
 group reads, the causal/window masks as additive biases) is planned once per
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sdpa
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -85,7 +85,7 @@ class TorchSDPABackend:
             (rows x keys); the per-row tile is this // rows.
         decode_group_keys: target size of a decode group in gathered keys
             (rows x the group's longest context, at least one row).
-        use_sdpa_prefill: route fresh prompts to torch's fused SDPA (tests
+        use_sdpa_prefill: route prefill chunks to torch's fused SDPA (tests
             turn it off to exercise the paged path).
     """
 
@@ -127,7 +127,9 @@ class TorchSDPABackend:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
-        out = torch.zeros_like(query)
+        # Every token row of the step's requests is written below; only padding rows need zeros.
+        out = torch.empty_like(query)
+        out[int(attn_metadata.query_start_loc_cpu[attn_metadata.num_reqs]) :].zero_()
         for g in plan.decodes:
             assert g.tokens is not None and g.tiles is not None
             q5 = query.index_select(0, g.tokens).view(-1, num_kv_heads, group, 1, head_dim)
@@ -135,10 +137,15 @@ class TorchSDPABackend:
             out.index_copy_(0, g.tokens, o.view(-1, num_heads, head_dim))
         for g in plan.prefills:
             q = query[g.start : g.end]
-            if g.fresh and self.use_sdpa_prefill and logits_soft_cap is None:
-                out[g.start : g.end] = _fresh_prefill_sdpa(q, key[g.start : g.end], value[g.start : g.end], scale,
-                                                           sliding_window)
-                continue
+            if self.use_sdpa_prefill and logits_soft_cap is None:
+                if g.fresh:
+                    out[g.start : g.end] = fresh_prefill_sdpa(q, key[g.start : g.end], value[g.start : g.end],
+                                                               scale, sliding_window)
+                    continue
+                tiles = g.get_tiles()
+                if len(tiles) == 1:
+                    out[g.start : g.end] = chunk_sdpa(q, kv_cache, tiles[0].block_ids, tiles[0].bias, scale)
+                    continue
             qlen = g.end - g.start
             q5 = q.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
             o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap)
@@ -287,30 +294,6 @@ def _redirect_padding(
     slot_mapping = torch.where(valid, slot_mapping, slot_mapping[first])
     keep = valid[:, None, None]
     return slot_mapping, torch.where(keep, key, key[first]), torch.where(keep, value, value[first])
-
-
-def _fresh_prefill_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
-) -> torch.Tensor:
-    """Causal attention of a whole new prompt over itself with torch SDPA.
-
-    q [Q, H, D], k/v [Q, Hkv, D] -> [Q, H, D]. K/V heads are repeated for GQA
-    (cheap at prompt length) so torch can pick its fused kernels.
-    """
-    qlen, num_heads, _ = q.shape
-    group = num_heads // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if window is None or window >= qlen:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        pos = torch.arange(qlen, device=q.device)
-        diff = pos[:, None] - pos[None, :]  # query pos - key pos
-        mask = (diff >= 0) & (diff < window)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
 
 
 def _tile_scores(q_flat, kv_cache, tile, scale, cap):
