@@ -1,0 +1,101 @@
+"""Block-wise decode attention straight from the paged cache (CPU float32) vs a float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.attention.backends.block_decode import block_decode_attention, plan_block_decode
+from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
+from tokenmill.attention.metadata import AttentionMetadata
+
+POISON = 1e3  # finite junk in unused cache slots and unowned blocks: a leak would change outputs a lot
+BS = 4  # block size: small, so a dozen-token row spans several blocks
+
+
+def _batch(tables: list[list[int]], seq_lens: list[int], num_blocks: int, num_kv_heads: int, head_dim: int, seed: int):
+    """Decode-only metadata and a cache whose every slot is POISON except the rows' tokens (random)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.full((2, num_blocks, BS, num_kv_heads, head_dim), POISON)
+    for table, n in zip(tables, seq_lens):
+        for pos in range(n):
+            b, o = table[pos // BS], pos % BS
+            cache[:, b, o] = torch.randn(2, num_kv_heads, head_dim, generator=g)
+    bt = np.zeros((len(tables), max(map(len, tables)) + 1), np.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = t
+    n = len(tables)
+    qsl = np.arange(n + 1, dtype=np.int32)
+    sl = np.array(seq_lens, np.int32)
+    # The new token of each row is already in the cache; slot -1 keeps forward() from rewriting it.
+    md = AttentionMetadata(n, n, 1, int(sl.max()), torch.from_numpy(qsl), torch.from_numpy(sl), torch.from_numpy(bt),
+                           torch.full((n,), -1, dtype=torch.int64), qsl, sl)
+    return md, cache
+
+
+def _reference(query, cache, tables, seq_lens, scale, window=None, cap=None):
+    num_heads, group = query.shape[1], query.shape[1] // cache.shape[3]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, (table, n) in enumerate(zip(tables, seq_lens)):
+        pos = torch.arange(n)
+        keys = cache[:, torch.tensor(table)[pos // BS], pos % BS].double()  # [2, n, Hkv, D]
+        k, v = keys[0].repeat_interleave(group, 1), keys[1].repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", query[i].double(), k) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        if window is not None:
+            s[:, pos <= n - 1 - window] = float("-inf")
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    assert num_heads == out.shape[1]
+    return out
+
+
+# Rows 0-2 were allocated one after another (a dense run 2..13 with block 7 unowned: another request's);
+# all three share block 2 (a common prefix); row 3 lies in scattered blocks.
+TABLES = [[2, 3, 4], [2, 5, 6, 8], [2, 9, 10, 11, 12, 13], [40, 31, 50]]
+SEQ_LENS = [10, 16, 22, 9]
+
+
+# Window 6 leaves too few blocks for a run (everything gathered); window 11 drops the shared block.
+@pytest.mark.parametrize("window, cap, los", [(None, None, [2, -1]), (6, None, [-1]), (None, 5.0, [2, -1]),
+                                              (11, 30.0, [2, -1])])
+def test_matches_reference(window, cap, los):
+    md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=0)
+    query = torch.randn(len(TABLES), 6, 8, generator=torch.Generator().manual_seed(1))
+    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.array(SEQ_LENS, np.int64), BS, window)
+    # A run viewed in place (2 = its first block), and a gathered rest (-1): the shared block's later
+    # uses and row 3's scattered blocks.
+    assert [s.lo for s in plan.sources] == los
+    out = block_decode_attention(query, cache, plan, 0.35, cap)
+    torch.testing.assert_close(out.double(), _reference(query, cache, TABLES, SEQ_LENS, 0.35, window, cap),
+                               atol=1e-5, rtol=1e-5)
+    # Through the backend (its default on CPU float32), also with the grouped-gather path for comparison.
+    for backend in (TorchSDPABackend(), TorchSDPABackend(decode_from_cache=False)):
+        got = backend.forward(query, query[:, :2], query[:, :2], cache.clone(), md, scale=0.35,
+                              sliding_window=window, logits_soft_cap=cap)
+        torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+
+
+def test_runs_and_owners():
+    """A run of >= 8 used blocks is a view; ids it skips get owner B (dropped); a far block is gathered."""
+    table = np.array([[10, 11, 12, 13, 0, 0], [14, 16, 17, 18, 19, 500]])
+    plan = plan_block_decode(table, np.arange(2), np.array([16, 24]), 4, None)
+    view, rest = plan.sources
+    assert view.lo == 10 and view.block_ids is None
+    assert view.owner.tolist() == [0, 0, 0, 0, 1, 2, 1, 1, 1, 1]  # block 15: no row
+    assert rest.block_ids.tolist() == [500] and rest.owner.tolist() == [1]
+    # Row 1's last block (500) holds keys 20..23, all visible to its query at position 23.
+    assert torch.equal(rest.bias, torch.zeros(1, 1, 1, 4))
+    # Row 0's block 13 holds keys 12..15, its query is at 15: all visible; block 15 (no row) is never masked.
+    assert torch.equal(view.bias[3], torch.zeros(1, 1, 4)) and torch.equal(view.bias[5], torch.zeros(1, 1, 4))
+
+
+def test_far_below_max_scores_underflow_to_zero():
+    """Scores 1000s below the row max (exp underflows) give weight 0, no NaN."""
+    md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=2)
+    query = torch.randn(len(TABLES), 6, 8, generator=torch.Generator().manual_seed(3)) * 300
+    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.array(SEQ_LENS, np.int64), BS, None)
+    out = block_decode_attention(query, cache, plan, 1.0, None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _reference(query, cache, TABLES, SEQ_LENS, 1.0), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,180 @@
+"""Decode attention read block by block straight from the paged KV cache (CPU, float32).
+
+TORCH_SDPA's grouped decode path first copies each decode's K/V blocks into a
+padded tensor, then multiplies. On a CPU, decode attention is bound by memory
+traffic, and that copy (written, then read again) costs about as much as the
+attention itself. Here the keys are used where they lie. A dense run of
+physical blocks is one strided view of the cache, and each block is one
+[block_size * Hkv, D] matrix, so one batched matmul multiplies every block of
+the run by the queries of the decode that owns it:
+
+    physical block   lo  lo+1 lo+2 lo+3 lo+4 lo+5 ...  hi-1
+    owner            r3  r3   r3   -    r7   r3   ...  r9     (- = no decode: row B, dropped)
+
+    [n, H, D] @ [n, D, bs * Hkv] -> [n, H, bs * Hkv]
+
+Query head h = kv * G + g needs only its own KV head, the diagonal of that
+product seen as [n, Hkv, G, bs, Hkv]; the other heads' products are a few
+flops on data already in registers (the matmul reads each K block once).
+The softmax of a row spans its blocks: the row's max comes from a
+scatter_reduce over its blocks' maxima, then exp, the sums and P @ V are
+computed per block and added up per row with index_add (a split-KV softmax
+at block granularity, as FlashDecoding, Dao et al. 2023, splits long rows).
+
+Blocks outside dense runs (scattered ids) and every further use of a block
+shared by several rows (a common prompt prefix) are gathered into one extra
+source and go through the same arithmetic. Scores more than 87 below their
+row's max are set to -inf before exp (their weight, < exp(-87) ~ 1.6e-38 of the
+max's, is below float32 resolution of the row's sum): torch's CPU exp takes a
+slow path for arguments that underflow (about 40x slower per element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Two used blocks at most this many ids apart stay in one run (the gap is computed and dropped).
+_MAX_GAP = 4
+# A run becomes a view only with at least this many used blocks and at most half of its range unused.
+_MIN_RUN = 8
+# exp(x) for x < -87 underflows float32 (torch's CPU exp is slow there); such weights become 0.
+_EXP_FLOOR = -87.0
+
+
+@dataclass(slots=True)
+class _Source:
+    """Blocks whose K/V are read together: a run of the cache (a view) or a gathered list."""
+
+    lo: int  # view: physical blocks [lo, lo + n); gathered: -1
+    block_ids: torch.Tensor | None  # gathered: [n] int64 physical block ids; view: None
+    owner: torch.Tensor  # [n] int64 decode row using each block; num_rows = none (its results are dropped)
+    bias: torch.Tensor  # [n, 1, 1, bs] float32: 0 where the owner sees the key, -inf where masked
+
+    def kv(self, kv_cache: torch.Tensor, i: int) -> torch.Tensor:
+        """Keys (i=0) or values (i=1) of the source's blocks: [n, bs * Hkv, D]."""
+        n = self.owner.shape[0]
+        cache = kv_cache[i]
+        blocks = cache[self.lo : self.lo + n] if self.block_ids is None else cache.index_select(0, self.block_ids)
+        return blocks.view(n, -1, cache.shape[-1])
+
+
+@dataclass(slots=True)
+class BlockDecodePlan:
+    """Where each decode row's keys are, built once per step (and window) and used by every layer."""
+
+    num_rows: int  # decode rows B
+    sources: list[_Source]
+
+
+def plan_block_decode(
+    block_table: np.ndarray,  # [num_reqs, max_blocks] int block ids (host)
+    reqs: np.ndarray,  # [B] request index of each decode row
+    seq_lens: np.ndarray,  # [B] int64 tokens each row attends to (its query is the last)
+    block_size: int,
+    window: int | None,
+) -> BlockDecodePlan:
+    """Split the decode rows' block references into dense runs (views) and the rest (one gathered source).
+
+    Row r uses logical blocks [first_r, last_r) of its table row, first_r > 0
+    only when a sliding window hides whole blocks. Example, block_size 4,
+    seq_lens [16, 24], tables [[10, 11, 12, 13], [14, 16, 17, 18, 19, 500]]:
+    ids 10..19 are one run, viewed in place with owners
+    [0, 0, 0, 0, 1, B, 1, 1, 1, 1] (block 15 belongs to no decode row), and
+    block 500 is gathered (owner 1).
+    """
+    num_rows = len(reqs)
+    first = np.maximum(0, seq_lens - window) // block_size if window else np.zeros_like(seq_lens)
+    last = -(-seq_lens // block_size)
+    counts = last - first
+    # One entry per (row, logical block): counts [2, 3] -> row [0, 0, 1, 1, 1], j = first + [0, 1, 0, 1, 2]
+    row = np.repeat(np.arange(num_rows), counts)
+    starts = np.cumsum(counts) - counts
+    j = first[row] + np.arange(len(row)) - starts[row]
+    ids = block_table[reqs[row], j].astype(np.int64)
+    key_start = j * block_size
+
+    # The first use of each physical block may go into a view; later uses (shared blocks) are gathered.
+    uniq, first_use = np.unique(ids, return_index=True)
+    in_view = np.zeros(len(ids), dtype=bool)
+    sources = []
+    cuts = np.flatnonzero(np.diff(uniq) > _MAX_GAP) + 1  # runs of uniq: [0, cut0), [cut0, cut1), ...
+    for run in np.split(np.arange(len(uniq)), cuts):
+        lo, hi = int(uniq[run[0]]), int(uniq[run[-1]]) + 1
+        if len(run) < _MIN_RUN or hi - lo > 2 * len(run):
+            continue
+        refs = first_use[run]
+        in_view[refs] = True
+        n = hi - lo
+        owner = np.full(n, num_rows, dtype=np.int64)
+        owner[ids[refs] - lo] = row[refs]
+        starts_n = np.zeros(n, dtype=np.int64)
+        starts_n[ids[refs] - lo] = key_start[refs]
+        sources.append(_make_source(lo, None, owner, starts_n, seq_lens, block_size, window))
+    rest = np.flatnonzero(~in_view)
+    if len(rest):
+        block_ids = torch.from_numpy(ids[rest])
+        sources.append(_make_source(-1, block_ids, row[rest], key_start[rest], seq_lens, block_size, window))
+    return BlockDecodePlan(num_rows, sources)
+
+
+def _make_source(lo, block_ids, owner, key_start, seq_lens, block_size, window) -> _Source:
+    """Key k of block b is visible iff key_start[b] + k <= p (the owner's query position) and, with a window W,
+    > p - W. Blocks no row owns see everything (their row is dropped; -inf rows would only cost NaN checks)."""
+    owned = owner < len(seq_lens)
+    qpos = np.where(owned, seq_lens[np.minimum(owner, len(seq_lens) - 1)] - 1, np.iinfo(np.int64).max)
+    kpos = key_start[:, None] + np.arange(block_size)[None]  # [n, bs]
+    visible = kpos <= qpos[:, None]
+    if window is not None:
+        visible &= (kpos > qpos[:, None] - window) | ~owned[:, None]
+    bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
+    return _Source(lo, block_ids, torch.from_numpy(owner), torch.from_numpy(np.ascontiguousarray(bias)))
+
+
+def block_decode_attention(
+    query: torch.Tensor,  # [B, H, D] float32, one query per decode row
+    kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D] float32
+    plan: BlockDecodePlan,
+    scale: float,
+    cap: float | None,
+) -> torch.Tensor:
+    """Attention of each decode row over its keys in the cache; returns [B, H, D] float32.
+
+    `cap`: soft-capping of the scores, cap * tanh(scores / cap) (Gemma-2), or None.
+    """
+    num_rows, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    q_ext = query.new_zeros(num_rows + 1, num_heads, head_dim)  # row B: blocks no decode owns
+    q_ext[:num_rows] = query
+    row_max = query.new_full((num_rows + 1, num_heads), float("-inf"))
+    scores = []
+    for src in plan.sources:
+        n = src.owner.shape[0]
+        full = torch.bmm(q_ext.index_select(0, src.owner), src.kv(kv_cache, 0).transpose(1, 2))
+        # [n, H, bs * Hkv] as [n, Hkv, G, bs, Hkv]: query heads of KV head kv meet key head kv on the diagonal.
+        diag = full.view(n, num_kv_heads, group, block_size, num_kv_heads).diagonal(dim1=1, dim2=4)
+        diag = diag.permute(0, 3, 1, 2)  # [n, Hkv, G, bs], a strided view
+        if cap is None:
+            s = torch.add(src.bias, diag, alpha=scale)  # bias + scale * qk; one pass, contiguous result
+        else:
+            s = diag.mul(scale / cap).tanh_().mul_(cap).add_(src.bias)
+        s = s.view(n, num_heads, block_size)
+        row_max.scatter_reduce_(0, src.owner[:, None].expand(n, num_heads), s.amax(dim=-1), "amax")
+        scores.append(s)
+    denom = query.new_zeros(num_rows + 1, num_heads)
+    acc = query.new_zeros(num_rows + 1, num_heads, head_dim)
+    for src, s in zip(plan.sources, scores):
+        n = src.owner.shape[0]
+        s = s.sub_(row_max.index_select(0, src.owner)[:, :, None])
+        p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [n, H, bs]
+        denom.index_add_(0, src.owner, p.sum(dim=-1))
+        # P @ V over all KV heads at once: P placed on the diagonal of [n, Hkv, G, bs, Hkv], zeros elsewhere.
+        p_full = p.new_zeros(n, num_kv_heads, group, block_size, num_kv_heads)
+        p_full.diagonal(dim1=1, dim2=4).copy_(p.view(n, num_kv_heads, group, block_size).permute(0, 2, 3, 1))
+        pv = torch.bmm(p_full.view(n, num_heads, block_size * num_kv_heads), src.kv(kv_cache, 1))
+        acc.index_add_(0, src.owner, pv)
+    return acc[:num_rows] / denom[:num_rows, :, None]
