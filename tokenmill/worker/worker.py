@@ -40,6 +40,7 @@ class Worker:
 
         CPU threads: env TOKENMILL_CPU_THREADS if set, else with several ranks
         max(1, cores // world_size) each so ranks do not oversubscribe the host.
+        CPU: glibc malloc keeps freed activation memory (`platforms.cpu.tune_malloc`).
 
         Raises:
             ValueError: world_size > 1 without a distributed_init_method.
@@ -58,6 +59,10 @@ class Worker:
                 torch.set_num_threads(1)
         else:
             self.device = torch.device("cpu")
+            from tokenmill.platforms.cpu import tune_malloc
+
+            if tune_malloc():
+                logger.debug("glibc malloc tuned for CPU inference (TOKENMILL_CPU_MALLOC_TUNING=0 turns it off)")
             threads = os.environ.get("TOKENMILL_CPU_THREADS")
             if threads:
                 torch.set_num_threads(int(threads))
