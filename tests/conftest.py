@@ -6,6 +6,14 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernel tests run in Triton's interpreter. TRITON_INTERPRET must be
+# set before `triton` is first imported anywhere in the session (triton.jit decides at
+# decoration time), and modules collected before tests/kernels (e.g. tests/gpu, through
+# transformers) may import it, so the root conftest sets it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
