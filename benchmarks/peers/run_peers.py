@@ -8,12 +8,13 @@ sweep and stops the server.  The transformers floor runs offline on the same
 prompts in static batches.  Finally it draws the plots with
 `tokenmill bench plot` and writes the section of docs/benchmarks.md.
 
-Sweep size (defaults): 128 prompt tokens, 128 output tokens, concurrency
+Sweep size (defaults): 128 prompt tokens, 64 output tokens, concurrency
 1, 4, 16, 64 with 4, 8, 32, 128 prompts (2 per slot; 4 sequential requests
 at concurrency 1), peers tokenmill fp32/bf16, vLLM CPU fp32/bf16, llama.cpp's
-llama-server and the transformers floor: about 25-30 minutes on the quiet
-2-core machine (README.md, "Duration", says how that was estimated).  Every
-line it prints starts with the wall clock and the time since it started.
+llama-server and the transformers floor: about 21-27 minutes on the quiet
+2-core machine, chosen to fit a ~35-minute window (README.md, "The sweep",
+says why and how that was estimated).  Every line it prints starts with the
+wall clock and the time since it started.
 
 Every phase is resumable: a result file that exists is not measured again
 (`--force` re-measures); settings.json in the results folder refuses a rerun
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"Comma list from: {', '.join(ALL_PEERS)}; or `all`.")
     p.add_argument("-c", "--concurrency", default="1,4,16,64", help="Comma list of max concurrencies.")
     p.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
-    p.add_argument("--output-len", type=int, default=128, help="Output tokens per request (EOS ignored).")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="Output tokens per request (EOS ignored); 64 to fit the quiet window, see README.md.")
     p.add_argument("--prompts-per-slot", type=int, default=2,
                    help="Prompts per run = this x concurrency (at least --min-prompts).")
     p.add_argument("--min-prompts", type=int, default=4,
