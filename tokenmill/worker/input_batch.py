@@ -95,6 +95,10 @@ class InputBatch:
         # (name, n) -> (host[:n], device[:n]) for n <= max_num_reqs + 1 (decode-sized
         # steps): a torch slice costs ~2 us, and a step takes ~20 of them.
         self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # CUDA: recorded after a step's host->device copies from the pinned staging buffers.
+        # The next step waits on it before rewriting them: a step in which no request
+        # samples ends without any host wait, so its copies may still be queued.
+        self._copies_done: torch.cuda.Event | None = None
         self._max_cached_view = r + 1
 
     @property
@@ -179,6 +183,9 @@ class InputBatch:
         counts = np.fromiter(num_scheduled.values(), np.int64, num_reqs)
         if num_reqs and not (counts > 0).all():  # ids with no tokens are not part of the step
             return self.prepare_inputs({r: n for r, n in num_scheduled.items() if n > 0})
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the last step's copies have read the staging buffers
+            self._copies_done = None
         rows, order = self._scheduled_rows(num_scheduled)
         total = int(counts.sum())
         # Decode step: one token per request, so token i belongs to request i.
@@ -237,7 +244,7 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
-            block_table=self.block_table.commit(rows),
+            block_table=self._commit_block_table(rows),
             slot_mapping=dev["slot_mapping"],
             # Copies: the staging buffers are rewritten next step while backends may hold these.
             query_start_loc_cpu=qsl.copy(),
@@ -248,6 +255,14 @@ class InputBatch:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
         return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"], rows, sample_rows,
                           sampling_md)
+
+    def _commit_block_table(self, rows: np.ndarray) -> torch.Tensor:
+        """The block table rows on the device; on CUDA, then mark the step's staged copies."""
+        table = self.block_table.commit(rows)
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return table
 
     def _staged(self, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(host staging[:n], device buffer[:n]) of buffer `name`; cached for decode-sized n."""
