@@ -63,7 +63,7 @@ SEQ_LENS = [10, 16, 22, 9]
 def test_matches_reference(window, cap, los):
     md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=0)
     query = torch.randn(len(TABLES), 6, 8, generator=torch.Generator().manual_seed(1))
-    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.array(SEQ_LENS, np.int64), BS, window)
+    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.arange(4), np.array(SEQ_LENS, np.int64), BS, window)
     # A run viewed in place (2 = its first block), and a gathered rest (-1): the shared block's later
     # uses and row 3's scattered blocks.
     assert [s.lo for s in plan.sources] == los
@@ -80,22 +80,39 @@ def test_matches_reference(window, cap, los):
 def test_runs_and_owners():
     """A run of >= 8 used blocks is a view; ids it skips get owner B (dropped); a far block is gathered."""
     table = np.array([[10, 11, 12, 13, 0, 0], [14, 16, 17, 18, 19, 500]])
-    plan = plan_block_decode(table, np.arange(2), np.array([16, 24]), 4, None)
+    plan = plan_block_decode(table, np.arange(2), np.array([7, 3]), np.array([16, 24]), 4, None)
     view, rest = plan.sources
-    assert view.lo == 10 and view.block_ids is None
-    assert view.owner.tolist() == [0, 0, 0, 0, 1, 2, 1, 1, 1, 1]  # block 15: no row
-    assert rest.block_ids.tolist() == [500] and rest.owner.tolist() == [1]
-    # Row 1's last block (500) holds keys 20..23, all visible to its query at position 23.
-    assert torch.equal(rest.bias, torch.zeros(1, 1, 1, 4))
-    # Row 0's block 13 holds keys 12..15, its query is at 15: all visible; block 15 (no row) is never masked.
-    assert torch.equal(view.bias[3], torch.zeros(1, 1, 4)) and torch.equal(view.bias[5], torch.zeros(1, 1, 4))
+    assert (view.start, view.n, view.lo, view.block_ids) == (0, 10, 10, None)
+    assert (rest.start, rest.n, rest.lo, rest.block_ids.tolist()) == (10, 1, -1, [500])
+    assert plan.owner.tolist() == [0, 0, 0, 0, 1, 2, 1, 1, 1, 1, 1]  # block 15: no row (2 = B)
+    assert plan.token.tolist() == [7, 7, 7, 7, 3, 7, 3, 3, 3, 3, 3]  # queries' token rows; B borrows row 0's
+    # Row 0's block 13 holds keys 12..15, its query is at 15: all visible; block 15 (no row) is never masked;
+    # row 1's last block (500) holds keys 20..23, all visible to its query at position 23.
+    for b in (3, 5, 10):
+        assert torch.equal(plan.bias[b], torch.zeros(1, 1, 4))
+    # Row 1's second-to-last block (19) holds keys 16..19: visible; nothing past seq_len exists here.
+    assert not torch.isinf(plan.bias).any()
 
 
 def test_far_below_max_scores_underflow_to_zero():
     """Scores 1000s below the row max (exp underflows) give weight 0, no NaN."""
     md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=2)
     query = torch.randn(len(TABLES), 6, 8, generator=torch.Generator().manual_seed(3)) * 300
-    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.array(SEQ_LENS, np.int64), BS, None)
+    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.arange(4), np.array(SEQ_LENS, np.int64), BS, None)
     out = block_decode_attention(query, cache, plan, 1.0, None)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), _reference(query, cache, TABLES, SEQ_LENS, 1.0), atol=1e-5, rtol=1e-5)
+
+
+def test_step_buffers_serve_every_layer():
+    """Layers of one step share the plan and its buffers; each layer still gets its own queries and cache."""
+    md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=4)
+    backend = TorchSDPABackend()
+    g = torch.Generator().manual_seed(5)
+    for layer in range(3):
+        layer_cache = cache * (1 + layer) if layer else cache  # POISON scales too: still junk
+        query = torch.randn(len(TABLES), 6, 8, generator=g)
+        out = backend.forward(query, query[:, :2], query[:, :2], layer_cache, md, scale=0.35)
+        torch.testing.assert_close(out.double(), _reference(query, layer_cache, TABLES, SEQ_LENS, 0.35),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(backend._plans) == 1  # planned once for the step

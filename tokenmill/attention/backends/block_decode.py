@@ -49,30 +49,41 @@ _EXP_FLOOR = -87.0
 class _Source:
     """Blocks whose K/V are read together: a run of the cache (a view) or a gathered list."""
 
+    start: int  # first entry of this source in the plan's concatenated per-block arrays
+    n: int  # blocks
     lo: int  # view: physical blocks [lo, lo + n); gathered: -1
     block_ids: torch.Tensor | None  # gathered: [n] int64 physical block ids; view: None
-    owner: torch.Tensor  # [n] int64 decode row using each block; num_rows = none (its results are dropped)
-    bias: torch.Tensor  # [n, 1, 1, bs] float32: 0 where the owner sees the key, -inf where masked
 
     def kv(self, kv_cache: torch.Tensor, i: int) -> torch.Tensor:
         """Keys (i=0) or values (i=1) of the source's blocks: [n, bs * Hkv, D]."""
-        n = self.owner.shape[0]
         cache = kv_cache[i]
-        blocks = cache[self.lo : self.lo + n] if self.block_ids is None else cache.index_select(0, self.block_ids)
-        return blocks.view(n, -1, cache.shape[-1])
+        blocks = cache[self.lo : self.lo + self.n] if self.block_ids is None else cache.index_select(0, self.block_ids)
+        return blocks.view(self.n, -1, cache.shape[-1])
 
 
 @dataclass(slots=True)
 class BlockDecodePlan:
-    """Where each decode row's keys are, built once per step (and window) and used by every layer."""
+    """Where each decode row's keys are, built once per step (and window) and used by every layer.
+
+    Per-block arrays cover all sources, concatenated in source order (N blocks).
+    """
 
     num_rows: int  # decode rows B
     sources: list[_Source]
+    owner: torch.Tensor  # [N] int64 decode row using each block; B = none (its results are dropped)
+    token: torch.Tensor  # [N] int64 token row of the owner's query (any valid row for owner B)
+    bias: torch.Tensor  # [N, 1, 1, bs] float32: 0 where the owner sees the key, -inf where masked
+    # Step buffers reused by every layer (allocated at the first layer):
+    scores: torch.Tensor | None = None  # [N, H, bs * Hkv] q . k for all head pairs
+    # [N, Hkv, G, bs, Hkv] probabilities on the head diagonal; zeros elsewhere stay zero across layers.
+    probs: torch.Tensor | None = None
+    pv: torch.Tensor | None = None  # [N, H, D] P @ V per block
 
 
 def plan_block_decode(
     block_table: np.ndarray,  # [num_reqs, max_blocks] int block ids (host)
     reqs: np.ndarray,  # [B] request index of each decode row
+    tokens: np.ndarray,  # [B] int64 token row of each decode row's query
     seq_lens: np.ndarray,  # [B] int64 tokens each row attends to (its query is the last)
     block_size: int,
     window: int | None,
@@ -100,7 +111,9 @@ def plan_block_decode(
     # The first use of each physical block may go into a view; later uses (shared blocks) are gathered.
     uniq, first_use = np.unique(ids, return_index=True)
     in_view = np.zeros(len(ids), dtype=bool)
-    sources = []
+    sources: list[_Source] = []
+    owners, key_starts = [], []
+    total = 0
     cuts = np.flatnonzero(np.diff(uniq) > _MAX_GAP) + 1  # runs of uniq: [0, cut0), [cut0, cut1), ...
     for run in np.split(np.arange(len(uniq)), cuts):
         lo, hi = int(uniq[run[0]]), int(uniq[run[-1]]) + 1
@@ -111,31 +124,38 @@ def plan_block_decode(
         n = hi - lo
         owner = np.full(n, num_rows, dtype=np.int64)
         owner[ids[refs] - lo] = row[refs]
-        starts_n = np.zeros(n, dtype=np.int64)
-        starts_n[ids[refs] - lo] = key_start[refs]
-        sources.append(_make_source(lo, None, owner, starts_n, seq_lens, block_size, window))
+        start_n = np.zeros(n, dtype=np.int64)
+        start_n[ids[refs] - lo] = key_start[refs]
+        sources.append(_Source(total, n, lo, None))
+        owners.append(owner)
+        key_starts.append(start_n)
+        total += n
     rest = np.flatnonzero(~in_view)
     if len(rest):
-        block_ids = torch.from_numpy(ids[rest])
-        sources.append(_make_source(-1, block_ids, row[rest], key_start[rest], seq_lens, block_size, window))
-    return BlockDecodePlan(num_rows, sources)
+        sources.append(_Source(total, len(rest), -1, torch.from_numpy(ids[rest])))
+        owners.append(row[rest])
+        key_starts.append(key_start[rest])
+    owner = np.concatenate(owners)
+    bias = _visibility_bias(owner, np.concatenate(key_starts), seq_lens, block_size, window)
+    token = np.append(tokens, tokens[0])[owner]  # owner B reads row 0's query; its results are dropped
+    return BlockDecodePlan(num_rows, sources, torch.from_numpy(owner), torch.from_numpy(token), bias)
 
 
-def _make_source(lo, block_ids, owner, key_start, seq_lens, block_size, window) -> _Source:
-    """Key k of block b is visible iff key_start[b] + k <= p (the owner's query position) and, with a window W,
-    > p - W. Blocks no row owns see everything (their row is dropped; -inf rows would only cost NaN checks)."""
+def _visibility_bias(owner, key_start, seq_lens, block_size, window) -> torch.Tensor:
+    """[N, 1, 1, bs] float32. Key k of block b is visible iff key_start[b] + k <= p (the owner's query
+    position) and, with a window W, > p - W. Blocks no row owns see everything (their row is dropped)."""
     owned = owner < len(seq_lens)
     qpos = np.where(owned, seq_lens[np.minimum(owner, len(seq_lens) - 1)] - 1, np.iinfo(np.int64).max)
-    kpos = key_start[:, None] + np.arange(block_size)[None]  # [n, bs]
+    kpos = key_start[:, None] + np.arange(block_size)[None]  # [N, bs]
     visible = kpos <= qpos[:, None]
     if window is not None:
         visible &= (kpos > qpos[:, None] - window) | ~owned[:, None]
     bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-    return _Source(lo, block_ids, torch.from_numpy(owner), torch.from_numpy(np.ascontiguousarray(bias)))
+    return torch.from_numpy(np.ascontiguousarray(bias))
 
 
 def block_decode_attention(
-    query: torch.Tensor,  # [B, H, D] float32, one query per decode row
+    query: torch.Tensor,  # [T, H, D] float32, the step's queries
     kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D] float32
     plan: BlockDecodePlan,
     scale: float,
@@ -144,37 +164,42 @@ def block_decode_attention(
     """Attention of each decode row over its keys in the cache; returns [B, H, D] float32.
 
     `cap`: soft-capping of the scores, cap * tanh(scores / cap) (Gemma-2), or None.
+    All sources go through one softmax pipeline over their concatenated
+    blocks; only the two matmuls (and a gathered source's copy) are per source.
     """
-    num_rows, num_heads, head_dim = query.shape
+    num_rows, num_blocks = plan.num_rows, plan.owner.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    q_ext = query.new_zeros(num_rows + 1, num_heads, head_dim)  # row B: blocks no decode owns
-    q_ext[:num_rows] = query
-    row_max = query.new_full((num_rows + 1, num_heads), float("-inf"))
-    scores = []
+    width = block_size * num_kv_heads
+    if plan.scores is None or plan.scores.shape != (num_blocks, num_heads, width):
+        plan.scores = query.new_empty(num_blocks, num_heads, width)
+        plan.probs = query.new_zeros(num_blocks, num_kv_heads, group, block_size, num_kv_heads)
+        plan.pv = query.new_empty(num_blocks, num_heads, head_dim)
+    assert plan.probs is not None and plan.pv is not None
+    q = query.index_select(0, plan.token)  # [N, H, D]: each block's owner's query
     for src in plan.sources:
-        n = src.owner.shape[0]
-        full = torch.bmm(q_ext.index_select(0, src.owner), src.kv(kv_cache, 0).transpose(1, 2))
-        # [n, H, bs * Hkv] as [n, Hkv, G, bs, Hkv]: query heads of KV head kv meet key head kv on the diagonal.
-        diag = full.view(n, num_kv_heads, group, block_size, num_kv_heads).diagonal(dim1=1, dim2=4)
-        diag = diag.permute(0, 3, 1, 2)  # [n, Hkv, G, bs], a strided view
-        if cap is None:
-            s = torch.add(src.bias, diag, alpha=scale)  # bias + scale * qk; one pass, contiguous result
-        else:
-            s = diag.mul(scale / cap).tanh_().mul_(cap).add_(src.bias)
-        s = s.view(n, num_heads, block_size)
-        row_max.scatter_reduce_(0, src.owner[:, None].expand(n, num_heads), s.amax(dim=-1), "amax")
-        scores.append(s)
-    denom = query.new_zeros(num_rows + 1, num_heads)
-    acc = query.new_zeros(num_rows + 1, num_heads, head_dim)
-    for src, s in zip(plan.sources, scores):
-        n = src.owner.shape[0]
-        s = s.sub_(row_max.index_select(0, src.owner)[:, :, None])
-        p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [n, H, bs]
-        denom.index_add_(0, src.owner, p.sum(dim=-1))
-        # P @ V over all KV heads at once: P placed on the diagonal of [n, Hkv, G, bs, Hkv], zeros elsewhere.
-        p_full = p.new_zeros(n, num_kv_heads, group, block_size, num_kv_heads)
-        p_full.diagonal(dim1=1, dim2=4).copy_(p.view(n, num_kv_heads, group, block_size).permute(0, 2, 3, 1))
-        pv = torch.bmm(p_full.view(n, num_heads, block_size * num_kv_heads), src.kv(kv_cache, 1))
-        acc.index_add_(0, src.owner, pv)
+        end = src.start + src.n
+        torch.bmm(q[src.start : end], src.kv(kv_cache, 0).transpose(1, 2), out=plan.scores[src.start : end])
+    # [N, H, bs * Hkv] as [N, Hkv, G, bs, Hkv]: query heads of KV head kv meet key head kv on the diagonal.
+    diag = plan.scores.view(num_blocks, num_kv_heads, group, block_size, num_kv_heads).diagonal(dim1=1, dim2=4)
+    diag = diag.permute(0, 3, 1, 2)  # [N, Hkv, G, bs], a strided view
+    if cap is None:
+        s = torch.add(plan.bias, diag, alpha=scale)  # bias + scale * qk; one pass, contiguous result
+    else:
+        s = diag.mul(scale / cap).tanh_().mul_(cap).add_(plan.bias)
+    s = s.view(num_blocks, num_heads, block_size)
+    owner = plan.owner
+    row_max = query.new_full((num_rows + 1, num_heads), float("-inf"))
+    row_max.scatter_reduce_(0, owner[:, None].expand(num_blocks, num_heads), s.amax(dim=-1), "amax")
+    s = s.sub_(row_max.index_select(0, owner)[:, :, None])
+    p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [N, H, bs]
+    denom = query.new_zeros(num_rows + 1, num_heads).index_add_(0, owner, p.sum(dim=-1))
+    # P @ V over all KV heads at once: P placed on the diagonal of [N, Hkv, G, bs, Hkv], zeros elsewhere.
+    plan.probs.diagonal(dim1=1, dim2=4).copy_(p.view(num_blocks, num_kv_heads, group, block_size).permute(0, 2, 3, 1))
+    probs = plan.probs.view(num_blocks, num_heads, width)
+    for src in plan.sources:
+        end = src.start + src.n
+        torch.bmm(probs[src.start : end], src.kv(kv_cache, 1), out=plan.pv[src.start : end])
+    acc = query.new_zeros(num_rows + 1, num_heads, head_dim).index_add_(0, owner, plan.pv)
     return acc[:num_rows] / denom[:num_rows, :, None]

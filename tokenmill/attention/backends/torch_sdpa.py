@@ -145,8 +145,7 @@ class TorchSDPABackend:
         out[int(attn_metadata.query_start_loc_cpu[attn_metadata.num_reqs]) :].zero_()
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
-            o = block_decode_attention(query.index_select(0, plan.decode_tokens), kv_cache, plan.block_decode, scale,
-                                       logits_soft_cap)
+            o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap)
             out.index_copy_(0, plan.decode_tokens, o)
         for g in plan.decodes:
             assert g.tokens is not None and g.tiles is not None
@@ -192,8 +191,8 @@ class TorchSDPABackend:
         plan = _Plan(md, window)
         decodes = np.flatnonzero(query_lens == 1)
         if len(decodes) and from_cache:  # CPU: the block table is host memory, .numpy() is free
-            plan.block_decode = plan_block_decode(md.block_table.numpy(), decodes, seq_lens[decodes], block_size,
-                                                  window)
+            plan.block_decode = plan_block_decode(md.block_table.numpy(), decodes, qsl[decodes], seq_lens[decodes],
+                                                  block_size, window)
             plan.decode_tokens = torch.from_numpy(qsl[decodes])
         elif len(decodes):
             plan.decodes = self._plan_decodes(md, decodes, seq_lens[decodes], qsl[decodes], window, block_size,
