@@ -98,6 +98,8 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    # Schedule step N+1 while step N runs (its sampled ids are read on the device).
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True)
@@ -160,6 +162,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool | None = None  # None: on for one CUDA device, off elsewhere
     # device
     device: str = "auto"
     attention_backend: str | None = None
@@ -211,6 +214,10 @@ class EngineArgs:
                        help="Split long prompts over steps so decodes keep running (default on).")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
                        help="fcfs: arrival order; priority: smaller `priority` first, then arrival.")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="Schedule and prepare step N+1 while step N runs on the device (default: on for one GPU, "
+                            "off on CPU and for several ranks; requests with penalties, min_tokens or structured "
+                            "output run synchronous steps).")
         g = parser.add_argument_group("device")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--attention-backend", default=None, choices=["TORCH_SDPA", "TRITON_ATTN"],

@@ -262,4 +262,17 @@ def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, 
         max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy,
+        async_scheduling=_resolve_async_scheduling(args, platform),
     )
+
+
+def _resolve_async_scheduling(args: EngineArgs, platform: Platform) -> bool:
+    """`--async-scheduling` as given; by default on for one CUDA device (in-process worker), off elsewhere.
+
+    On a CPU the host is the device, so overlapping them gains nothing; the
+    multi-process and Ray executors run steps synchronously.
+    """
+    if args.async_scheduling is not None:
+        return bool(args.async_scheduling)
+    single = args.tensor_parallel_size * args.pipeline_parallel_size == 1
+    return platform.device_type == "cuda" and single and args.distributed_executor_backend in (None, "uni")

@@ -113,12 +113,18 @@ class Request:
             schedule (-1 until scheduled).
         num_preemptions: times this request was preempted.
         block_hashes: hashes of the request's full blocks (prefix caching).
+        num_output_placeholders: tokens scheduled to be sampled whose ids are
+            not known yet (async scheduling: the step that samples them is
+            still running while the next one is scheduled); 0 or 1.
+        needs_sync: its sampling reads the tokens generated so far (penalties,
+            min_tokens, structured output), so steps holding it are not
+            scheduled ahead of their results.
     """
 
     # Slots: the scheduler touches every running request each step; no
     # per-object __dict__ keeps that walk over fewer cache lines.
-    __slots__ = ("all_token_ids", "arrival_time", "block_hashes", "cache_salt", "max_tokens", "num_cached_tokens",
-                 "num_computed_tokens", "num_preemptions", "output_token_ids", "priority", "prompt_token_ids",
+    __slots__ = ("all_token_ids", "arrival_time", "block_hashes", "cache_salt", "max_tokens", "needs_sync",
+                 "num_cached_tokens", "num_computed_tokens", "num_output_placeholders", "num_preemptions", "output_token_ids", "priority", "prompt_token_ids",
                  "request_id", "sampling_params", "scheduled_time", "status", "stop_reason")
 
     def __init__(self, req: EngineCoreRequest, max_tokens: int) -> None:
@@ -138,6 +144,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
+        self.num_output_placeholders = 0
+        p = req.sampling_params
+        self.needs_sync = bool(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
+            or (p.extra_args and p.extra_args.get("structured_outputs")))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -114,6 +114,9 @@ class StepRecorder:
         self.executor = llm.llm_engine.engine_core.executor
         self._inner = self.executor.execute_model
         self.executor.execute_model = self._execute
+        if hasattr(self.executor, "execute_model_async"):  # async scheduling launches steps through this one
+            self._inner_async = self.executor.execute_model_async
+            self.executor.execute_model_async = self._execute_async
         self.cuda = llm.llm_engine.engine_config.device_config.device == "cuda"
         self.reset()
 
@@ -150,6 +153,15 @@ class StepRecorder:
             out = self._inner(scheduler_output)
             self._spans.append((time.perf_counter() - t0) * 1e3)
         return out
+
+    def _execute_async(self, scheduler_output: Any) -> Any:
+        """Counts like `_execute`; the span ends when the launch returns (async scheduling: before the results)."""
+        inner = self._inner
+        self._inner = self._inner_async
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            self._inner = inner
 
     def spans_ms(self) -> list[float]:
         """execute_model time of each step since `reset(timing=True)`, ms (syncs the GPU)."""

@@ -45,9 +45,13 @@ class PhaseTimer:
     def __init__(self, llm: Any) -> None:
         self.engine = llm.llm_engine
         self.executor = self.engine.engine_core.executor
-        self._step, self._exec = self.engine.step, self.executor.execute_model
+        # Async scheduling launches through execute_model_async: there `execute` is the launch and
+        # `post` includes the wait for the previous step's sampled ids.
+        self.launch_name = ("execute_model_async" if self.engine.engine_core.scheduler.async_scheduling
+                            else "execute_model")
+        self._step, self._exec = self.engine.step, getattr(self.executor, self.launch_name)
         self.engine.step = self._timed_step
-        self.executor.execute_model = self._timed_exec
+        setattr(self.executor, self.launch_name, self._timed_exec)
         self.records: list[tuple[int, int, float, float, float]] = []
         self.on_step: Any = None  # callback(step index, is_mixed) before each step's execute_model
 
@@ -171,6 +175,7 @@ def main() -> None:
     timer = PhaseTimer(llm)
 
     res = ob.tokenmill_generate(llm, recorder, workload)
+    print(f"(steps launched through {timer.launch_name})")
     print(f"\n## offline, {len(workload)} prompts: {res['output_tok_s']:.0f} output tok/s, {res['elapsed_s']:.1f} s, "
           f"{res['num_steps']} steps, mean batch {res['mean_batch_reqs']:.1f}, preemptions {res['num_preemptions']}")
     summarize(timer.records)

@@ -71,6 +71,7 @@ def make_scheduler():
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
+        async_scheduling: bool = False,
     ) -> Scheduler:
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -78,6 +79,7 @@ def make_scheduler():
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
+            async_scheduling=async_scheduling,
         )
         cache_cfg = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
         return Scheduler(sched_cfg, cache_cfg, num_blocks)

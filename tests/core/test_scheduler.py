@@ -313,3 +313,62 @@ def test_prefix_caching_off_shares_nothing(make_scheduler, make_request, step):
     assert out.num_scheduled_tokens == {"a": 40, "b": 24}
     assert [r.block_ids for r in out.scheduled_new_reqs] == [[0, 1, 2], [3, 4]]
     assert res.scheduler_stats.prefix_cache_hits == 0
+
+
+def _output_of(out, sampled: dict[str, int]):
+    """A ModelRunnerOutput for `out` in which exactly the requests in `sampled` sampled their token."""
+    from tokenmill.core.sched_output import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids])
+
+
+def test_async_placeholders_schedule_ahead_and_stop_at_max_tokens(make_scheduler, make_request):
+    """Async scheduling: step N+1 is scheduled before step N's tokens are known; no step past max_tokens."""
+    s = make_scheduler(async_scheduling=True)
+    a = make_request("a", 20, max_tokens=3, ignore_eos=True)
+    b = make_request("b", 20, start=2000, max_tokens=8, stop_token_ids=[9])
+    s.add_request(a)
+    s.add_request(b)
+    o1 = s.schedule()
+    assert o1.num_scheduled_tokens == {"a": 20, "b": 20}
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (1, 1)
+    o2 = s.schedule()  # before o1's tokens: one decode each, its input the token o1 samples
+    assert o2.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert o2.scheduled_cached_reqs.num_computed_tokens == [20, 20]
+    assert (a.num_output_placeholders, a.num_computed_tokens) == (2, 21)
+    r1 = s.update_from_output(o1, _output_of(o1, {"a": 5, "b": 6}))
+    assert [o.new_token_ids for o in r1.outputs] == [[5], [6]]
+    assert a.num_output_placeholders == 1 and a.output_token_ids == [5]
+    o3 = s.schedule()
+    assert o3.num_scheduled_tokens == {"a": 1, "b": 1}
+    r2 = s.update_from_output(o2, _output_of(o2, {"a": 5, "b": 9}))  # b stops on 9: o3's token for it is wasted
+    assert [o.finish_reason for o in r2.outputs] == [None, FinishReason.STOP]
+    assert b.status == RequestStatus.FINISHED_STOPPED
+    o4 = s.schedule()  # a's third token is being sampled by o3: nothing left to schedule
+    assert o4.total_num_scheduled_tokens == 0 and "b" in o4.finished_req_ids
+    r3 = s.update_from_output(o3, _output_of(o3, {"a": 5, "b": 9}))
+    assert [(o.request_id, o.finish_reason) for o in r3.outputs] == [("a", FinishReason.LENGTH)]
+    assert a.output_token_ids == [5, 5, 5] and b.output_token_ids == [6, 9]
+    assert not s.has_unfinished_requests() and all_blocks_free(s)
+
+
+def test_async_preempted_request_finishing_on_its_pending_token(make_scheduler, make_request):
+    """A request preempted while its token was in flight, and stopped by that token, leaves the waiting queue."""
+    s = make_scheduler(num_blocks=3, async_scheduling=True, max_num_batched_tokens=64)
+    a = make_request("a", 16, start=100, max_tokens=8, stop_token_ids=[9])
+    b = make_request("b", 16, start=300, max_tokens=8, stop_token_ids=[9])
+    s.add_request(a)
+    s.add_request(b)
+    o1 = s.schedule()  # 2 blocks; o2's decodes need a third each: b (newest) is preempted
+    assert o1.num_scheduled_tokens == {"a": 16, "b": 16}
+    o2 = s.schedule()
+    assert o2.num_scheduled_tokens == {"a": 1} and b.status == RequestStatus.PREEMPTED
+    assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+    r1 = s.update_from_output(o1, _output_of(o1, {"a": 4, "b": 9}))  # b's in-flight token stops it
+    assert {o.request_id: o.finish_reason for o in r1.outputs} == {"a": None, "b": FinishReason.STOP}
+    assert len(s.waiting) == 0 and "b" not in s.requests
+    r2 = s.update_from_output(o2, _output_of(o2, {"a": 9}))
+    assert [o.finish_reason for o in r2.outputs] == [FinishReason.STOP]
+    assert not s.has_unfinished_requests() and all_blocks_free(s)

@@ -36,6 +36,17 @@ of `schedule()` each scheduled request's `num_computed_tokens` is advanced by
 its scheduled tokens (the output carries the values from before; a victim
 already scheduled in the same step is rolled back before it is freed).
 
+Async scheduling (`async_scheduling`): the engine schedules step N+1
+before step N's sampled ids reach the host. A request that samples in a
+step carries one output placeholder until `update_from_output` of that
+step; the placeholder counts as a known token, so the next step schedules
+the request's decode (its input id is taken from step N's sampled ids on
+the device). A request whose placeholders already reach `max_tokens` or
+`max_model_len` is not scheduled again; one that stops on a stop token
+(EOS) has computed one token too many, which is dropped. Requests whose
+sampling reads their outputs (`Request.needs_sync`) are counted in
+`num_sync_requests`; the engine runs synchronous steps while any exists.
+
 `update_from_output` appends sampled tokens and applies the stop rules, in
 this order after each token: a token in `all_stop_token_ids` (once
 `min_tokens` are out; EOS is ignored under `ignore_eos`) -> STOP, with
@@ -91,6 +102,9 @@ class Scheduler:
         self.max_model_len = cfg.max_model_len
         self.enable_chunked_prefill = cfg.enable_chunked_prefill
         self.policy = cfg.policy
+        self.async_scheduling = cfg.async_scheduling
+        # Unfinished requests with Request.needs_sync set (the engine keeps steps synchronous while > 0).
+        self.num_sync_requests = 0
         self.waiting = create_request_queue(cfg.policy)
         self.running: list[Request] = []
         # req_id -> Request, for every unfinished request
@@ -129,6 +143,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.needs_sync:
+            self.num_sync_requests += 1
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside (abort, or a stop string the engine matched).
@@ -179,6 +195,7 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         noop_end_get = kv.noop_end.get
         max_model_len = self.max_model_len
+        async_scheduling = self.async_scheduling
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
@@ -195,7 +212,13 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_left = len(request.all_token_ids) - num_computed
+            placeholders = request.num_output_placeholders
+            num_known = len(request.all_token_ids) + placeholders
+            if placeholders and (len(request.output_token_ids) + placeholders >= request.max_tokens
+                                 or num_known >= max_model_len):
+                i += 1  # its last token is already being sampled
+                continue
+            num_left = num_known - num_computed
             # min(num_left, token_budget, max_model_len - num_computed), spelled
             # out: builtin min() costs ~10x a comparison on Python 3.11.
             num_new = num_left if num_left < token_budget else token_budget  # noqa: FURB136
@@ -228,6 +251,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if num_new < num_left:
                 num_partial += 1
+            elif async_scheduling:
+                request.num_output_placeholders = placeholders + 1
             # Advanced here, after its entry holds the value from before (the worker's contract).
             request.num_computed_tokens = num_computed + num_new
             token_budget -= num_new
@@ -296,6 +321,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if num_hit_tokens + num_new < request.num_tokens:
                 num_partial += 1
+            elif self.async_scheduling:
+                request.num_output_placeholders = 1
             request.num_computed_tokens = num_hit_tokens + num_new
             token_budget -= num_new
         return token_budget, num_partial
@@ -305,6 +332,7 @@ class Scheduler:
         """Undo a running request's entry of this step; returns (its tokens, 1 if it was a partial chunk else 0)."""
         n = num_scheduled.pop(request.request_id)
         request.num_computed_tokens -= n
+        request.num_output_placeholders = 0  # (the caller preempts it next)
         j = cached.req_ids.index(request.request_id)
         del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
         return n, int(request.num_computed_tokens + n < request.num_tokens)
@@ -318,6 +346,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token still being sampled for it is appended when it arrives; the recompute covers it.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -353,6 +383,8 @@ class Scheduler:
             sampled = sampled_token_ids[index]
             if not sampled:
                 continue  # partial prefill chunk
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             if len(sampled) == 1:  # every step without speculative decoding
                 token_id = sampled[0]
                 output_token_ids = request.output_token_ids
@@ -392,7 +424,15 @@ class Scheduler:
                 finished.append(request)
         if finished:
             gone = set(map(id, finished))
-            self.running = [r for r in self.running if id(r) not in gone]
+            running = [r for r in self.running if id(r) not in gone]
+            if len(running) + len(finished) != len(self.running):
+                # Async scheduling: a request preempted after this step was scheduled
+                # finished on the token that step sampled; it sits in the waiting queue.
+                kept = set(map(id, self.running))
+                for request in finished:
+                    if id(request) not in kept:
+                        self.waiting.remove(request)
+            self.running = running
             for request in finished:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time(), scheduler_stats=self.make_stats())
@@ -415,6 +455,8 @@ class Scheduler:
         return False
 
     def _free_request(self, request: Request) -> None:
+        if request.needs_sync:
+            self.num_sync_requests -= 1
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]

@@ -4,6 +4,17 @@
     step():  schedule() ──SchedulerOutput──> executor.execute_model()
              update_from_output() <──ModelRunnerOutput──┘  -> EngineCoreOutputs
 
+With async scheduling (`--async-scheduling`, on by default for one GPU) a
+step launches step N+1 before it waits for step N's sampled ids:
+
+    step():  schedule(N+1) -> executor.execute_model_async(N+1)   (GPU queue: N, N+1)
+             wait for N -> update_from_output(N) -> EngineCoreOutputs of N
+
+so the host's scheduling, input preparation and output processing overlap
+the GPU's work. While any request needs its outputs on the host before its
+next step can be built (`Scheduler.num_sync_requests`: penalties,
+min_tokens, structured output), steps run synchronously.
+
 Used in-process by `LLMEngine` and in its own process by the server
 (`engine/core_proc.py`). It sees token ids only, never text.
 """
@@ -101,7 +112,12 @@ class EngineCore:
                             kv_memory_hint(cache, engine_config.device_config.device))
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
+        if sched_cfg.async_scheduling and not hasattr(self.executor, "execute_model_async"):
+            logger.info("async scheduling off: the executor runs steps synchronously")
+            sched_cfg.async_scheduling = False
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks)
+        # Async scheduling: (scheduler output, handle) of the step launched but not yet read back.
+        self._pending: tuple[Any, Any] | None = None
         # Grammar compile + per-request matchers + each step's bitmask (structured output).
         self.structured_output = StructuredOutputManager(engine_config)
 
@@ -142,8 +158,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self.structured_output.has_pending()
 
     def step(self) -> EngineCoreOutputs:
-        """Run one scheduling step; empty outputs when nothing could be scheduled."""
+        """Run one scheduling step; empty outputs when nothing could be scheduled.
+
+        Async scheduling: the outputs returned are those of the step launched
+        by the previous call (this call launches the next one first).
+        """
         so_failed = self._admit_structured_requests()
+        if self.scheduler.async_scheduling:
+            if self.scheduler.num_sync_requests == 0:
+                return self._step_async(so_failed)
+            if self._pending is not None:  # finish the step in flight before a synchronous one
+                outputs = self._finish_pending()
+                outputs.outputs.extend(so_failed)
+                return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EngineCoreOutputs(outputs=so_failed, scheduler_stats=self.scheduler.make_stats())
@@ -152,6 +179,29 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.structured_output.accept_outputs(outputs, self.scheduler)
         outputs.outputs.extend(so_failed)
+        return outputs
+
+    def _step_async(self, so_failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """Launch the next step, then read back and apply the one launched by the previous call."""
+        scheduler_output = self.scheduler.schedule()
+        launched = None
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            launched = (scheduler_output, self.executor.execute_model_async(scheduler_output))
+        if self._pending is not None:
+            outputs = self._finish_pending()
+        else:
+            outputs = EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        self._pending = launched
+        outputs.outputs.extend(so_failed)
+        return outputs
+
+    def _finish_pending(self) -> EngineCoreOutputs:
+        """Wait for the step in flight and apply its sampled tokens."""
+        assert self._pending is not None
+        scheduler_output, handle = self._pending
+        self._pending = None
+        outputs = self.scheduler.update_from_output(scheduler_output, handle.result())
+        self.structured_output.accept_outputs(outputs, self.scheduler)
         return outputs
 
     def _admit_structured_requests(self) -> list[EngineCoreOutput]:

@@ -7,6 +7,7 @@ import gc
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.abstract import Executor
+from tokenmill.worker.model_runner import AsyncModelRunnerOutput
 from tokenmill.worker.worker import Worker
 
 
@@ -28,6 +29,10 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._worker().execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the step; `.result()` of the returned handle waits for its sampled ids (async scheduling)."""
+        return self._worker().execute_model_async(scheduler_output)
 
     def shutdown(self) -> None:
         if self.worker is None:

@@ -10,6 +10,12 @@ last row into the hole). Per row:
 `prepare_inputs` turns a step's {req_id: num_scheduled_tokens} into
 input_ids, positions, slot_mapping, query_start_loc, seq_lens and
 logits_indices with NumPy ops over these arrays (no per-token Python).
+
+Async scheduling: a step may be prepared before the previous step's sampled
+ids reached the host. A scheduled position equal to `num_tokens[row]` is
+then such a token; its input id is copied on the device from the previous
+step's sampled-ids tensor (`set_pending` records which row sampled which
+entry; `append_sampled_ids` writes the ids into `token_ids` once read back).
 """
 
 from __future__ import annotations
@@ -100,6 +106,13 @@ class InputBatch:
         # samples ends without any host wait, so its copies may still be queued.
         self._copies_done: torch.cuda.Event | None = None
         self._max_cached_view = r + 1
+        # Async scheduling: per row, the step id and entry of a sampled id not yet read back (-1: none).
+        self.pending_step = np.full(r, -1, np.int64)
+        self.pending_idx = np.full(r, -1, np.int64)
+        # (step id, sampled ids [S] on the device) of the last launched step, until it is read back.
+        self._unread: tuple[int, torch.Tensor] | None = None
+        self._ph_host = {k: torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory) for k in ("dst", "src")}
+        self._ph_dev = {k: torch.zeros_like(v, device=device) for k, v in self._ph_host.items()}
 
     @property
     def num_reqs(self) -> int:
@@ -140,6 +153,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table.add_row(row, new.block_ids)
         self.sampling.add(row, new.sampling_params, len(new.output_token_ids))
+        self.pending_step[row] = -1
         return row
 
     def remove_request(self, req_id: str) -> None:
@@ -153,7 +167,8 @@ class InputBatch:
             moved = self.req_ids[last]
             n = int(self.num_tokens[last])
             self.token_ids[row, :n] = self.token_ids[last, :n]
-            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.pending_step,
+                        self.pending_idx):
                 arr[row] = arr[last]
             self.block_table.move_row(last, row)
             self.sampling.move(last, row)
@@ -162,6 +177,7 @@ class InputBatch:
         self.req_ids.pop()
         self.block_table.clear_row(last)
         self.sampling.clear(last)
+        self.pending_step[last] = -1
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Record each row's sampled token as its next known token (the next step's input)."""
@@ -170,6 +186,29 @@ class InputBatch:
         rows, token_ids = rows[ok], token_ids[ok]
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+
+    def set_pending(self, step_id: int, rows: np.ndarray, sampled: torch.Tensor) -> None:
+        """Step `step_id` sampled `sampled[i]` ([S] int64, on the device) for batch row `rows[i]`; not read back yet."""
+        self.pending_step[rows] = step_id
+        self.pending_idx[rows] = self._arange[: len(rows)]
+        self._unread = (step_id, sampled)
+
+    def append_sampled_ids(self, step_id: int, req_ids: list[str], token_ids: list[int]) -> None:
+        """Record step `step_id`'s sampled ids, read back, by request id (rows may have moved since).
+
+        Requests no longer in the batch (finished or preempted meanwhile) are skipped.
+        """
+        index = self.req_id_to_index
+        rows = np.fromiter((index.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        ids = np.asarray(token_ids, np.int64)
+        keep = rows >= 0
+        if not keep.all():
+            rows, ids = rows[keep], ids[keep]
+        mine = self.pending_step[rows] == step_id
+        self.pending_step[rows[mine]] = -1
+        self.append_sampled(rows, ids)
+        if self._unread is not None and self._unread[0] == step_id:
+            self._unread = None
 
     # ---- one step's inputs -----------------------------------------------------
 
@@ -212,6 +251,7 @@ class InputBatch:
             np.add(self.num_computed_tokens[token_rows], offsets, out=positions)
         # Flat index into token_ids: row * max_model_len + position.
         h["input_ids"][:total] = self.token_ids.ravel()[token_rows * self.max_model_len + positions]
+        placeholders = self._placeholders(token_rows, positions) if self._unread is not None else None
         h["slot_mapping"][:total] = self.block_table.slot_mapping(token_rows, positions)
         seq_lens = h["seq_lens"][:num_reqs]
         if decode:
@@ -237,6 +277,8 @@ class InputBatch:
             host_view, dev_view = self._staged(name, n)
             dev_view.copy_(host_view, non_blocking=True)
             dev[name] = dev_view
+        if placeholders is not None:
+            self._fill_placeholders(dev["input_ids"], *placeholders)
         md = AttentionMetadata(
             num_actual_tokens=total,
             num_reqs=num_reqs,
@@ -255,6 +297,35 @@ class InputBatch:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
         return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"], rows, sample_rows,
                           sampling_md)
+
+    def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token indices, sampled-ids entries) of this step's tokens not yet read back; None if there are none.
+
+        Raises:
+            RuntimeError: a scheduled token is neither known nor the last launched step's sample.
+        """
+        ph = positions >= self.num_tokens[token_rows]
+        if not ph.any():
+            return None
+        dst = np.flatnonzero(ph)
+        prow = token_rows[dst]
+        assert self._unread is not None
+        if not (self.pending_step[prow] == self._unread[0]).all() or not (positions[dst] == self.num_tokens[prow]).all():
+            raise RuntimeError("A step was scheduled past the tokens known and being sampled (async scheduling).")
+        return dst, self.pending_idx[prow]
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> None:
+        """input_ids[dst] = (last launched step's sampled ids)[src], on the device (no host sync)."""
+        assert self._unread is not None
+        n = len(dst)
+        staged = {}
+        for name, values in (("dst", dst), ("src", src)):
+            host, devbuf = self._ph_host[name][:n], self._ph_dev[name][:n]
+            host.numpy()[:] = values
+            devbuf.copy_(host, non_blocking=True)
+            staged[name] = devbuf
+        sampled = self._unread[1]
+        input_ids.index_copy_(0, staged["dst"], sampled.index_select(0, staged["src"]).to(input_ids.dtype))
 
     def _commit_block_table(self, rows: np.ndarray) -> torch.Tensor:
         """The block table rows on the device; on CUDA, then mark the step's staged copies."""

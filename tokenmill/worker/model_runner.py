@@ -57,6 +57,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CUDAGraphRunner | None = None
         self.sampler = Sampler()
+        self._step_id = 0  # steps that sampled (async scheduling matches read-backs to launches by it)
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_num_tokens, cc.block_size, self.vocab_size,
             device, self.pin_memory,
@@ -193,10 +194,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns a token for each scheduled request that reached its end."""
+        return self.execute_model_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step (inputs, forward, sampling, the copy of the sampled ids to the host) without waiting.
+
+        `.result()` of the returned handle waits for the copy (the step's one
+        host sync) and records the tokens in the batch. With async
+        scheduling the next step is launched before that: its tokens that
+        are this step's samples are read from this step's sampled ids on the
+        device (`InputBatch.set_pending`).
+        """
         assert self.model is not None and self.kv_caches, "load_model() and initialize_kv_cache() first"
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[]))
         batch = self.input_batch
         inputs = batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
         md = inputs.attn_metadata
@@ -208,20 +221,30 @@ class ModelRunner:
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
         req_ids = [batch.req_ids[r] for r in inputs.rows.tolist()]
         index = {r: i for i, r in enumerate(req_ids)}
-        sampled: list[list[int]] = [[] for _ in req_ids]
+        if inputs.sampling_metadata is None:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index=index, sampled_token_ids=[[] for _ in req_ids]))
+        sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
+        grammar = grammar_rows(scheduler_output, sample_req_ids, self.device)
+        out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows), grammar)
+        self._step_id += 1
+        batch.set_pending(self._step_id, inputs.sample_rows, out.sampled_token_ids)
+        num_logprobs = batch.sampling.num_logprobs[inputs.sample_rows] if out.logprobs is not None else None
+        return AsyncModelRunnerOutput(self, self._step_id, req_ids, index, sample_req_ids, out, num_logprobs)
+
+    def _read_back(self, handle: AsyncModelRunnerOutput) -> ModelRunnerOutput:
+        """Wait for `handle`'s sampled ids, record them in the batch, build its ModelRunnerOutput."""
+        token_ids, lp_rows = handle.wait_host()
+        self.input_batch.append_sampled_ids(handle.step_id, handle.sample_req_ids, token_ids)
+        index = handle.req_id_to_index
+        sampled: list[list[int]] = [[] for _ in handle.req_ids]
+        for rid, tok in zip(handle.sample_req_ids, token_ids):
+            sampled[index[rid]] = [tok]
         logprobs = None
-        if inputs.sampling_metadata is not None:
-            sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
-            grammar = grammar_rows(scheduler_output, sample_req_ids, self.device)
-            out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows),
-                               grammar)
-            token_ids, lp_rows = _to_host(out)
-            batch.append_sampled(inputs.sample_rows, np.array(token_ids, np.int64))
-            for rid, tok in zip(sample_req_ids, token_ids):
-                sampled[index[rid]] = [tok]
-            if lp_rows is not None:
-                logprobs = self._logprobs_lists(req_ids, index, sample_req_ids, lp_rows)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=logprobs)
+        if lp_rows is not None:
+            logprobs = _logprobs_lists(len(handle.req_ids), index, handle.sample_req_ids, lp_rows, handle.num_logprobs)
+        return ModelRunnerOutput(req_ids=handle.req_ids, req_id_to_index=index, sampled_token_ids=sampled,
+                                 logprobs=logprobs)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The forward pass; a CUDA-graph replay for padded decode sizes slots in here.
@@ -275,54 +298,88 @@ class ModelRunner:
             batch.block_table.append_row(row, new_blocks)
             batch.num_computed_tokens[row] = num_computed
 
-    def _logprobs_lists(
-        self, req_ids: list[str], index: dict[str, int], sample_req_ids: list[str], lp_rows: list[list[float]]
-    ) -> LogprobsLists:
-        """Per request: [sampled, top-1..top-k] ids and logprobs, k its own `logprobs`; [] if not asked."""
-        n = len(req_ids)
-        ids: list[list[int]] = [[] for _ in range(n)]
-        vals: list[list[float]] = [[] for _ in range(n)]
-        ranks = [0] * n
-        batch = self.input_batch
-        for rid, row in zip(sample_req_ids, lp_rows):
-            k = int(batch.sampling.num_logprobs[batch.req_id_to_index[rid]])
-            if k < 0:
-                continue
-            width = (len(row) - 1) // 2
-            i = index[rid]
-            ids[i] = [int(x) for x in row[: k + 1]]
-            vals[i] = row[width : width + k + 1]
-            ranks[i] = int(row[-1])
-        return LogprobsLists(ids, vals, ranks)
 
+def _logprobs_lists(n: int, index: dict[str, int], sample_req_ids: list[str], lp_rows: list[list[float]],
+                    num_logprobs: np.ndarray) -> LogprobsLists:
+    """Per request: [sampled, top-1..top-k] ids and logprobs, k its own `logprobs`; [] if not asked.
 
-def _to_host(out: SamplerOutput) -> tuple[list[int], list[list[float]] | None]:
-    """One device->host transfer for all results.
-
-    With logprobs, each row is packed as float64 [ids (k+1) | logprobs (k+1) | rank]
-    (token ids < 2**53 are exact in float64).
+    lp_rows[i] (request sample_req_ids[i], num_logprobs[i] = its k, -1 when
+    not asked) is float64 [ids (K+1) | logprobs (K+1) | rank] for the step's
+    largest K.
     """
-    if out.logprobs is None:
-        return _tolist(out.sampled_token_ids), None
-    packed = _tolist(torch.cat(
-        [out.logprob_token_ids.double(), out.logprobs.double(), out.sampled_token_ranks.double()[:, None]], dim=1
-    ))
-    # Column 0 is the sampled id.
-    return [int(r[0]) for r in packed], packed
+    ids: list[list[int]] = [[] for _ in range(n)]
+    vals: list[list[float]] = [[] for _ in range(n)]
+    ranks = [0] * n
+    for rid, row, k in zip(sample_req_ids, lp_rows, num_logprobs.tolist()):
+        if k < 0:
+            continue
+        width = (len(row) - 1) // 2
+        i = index[rid]
+        ids[i] = [int(x) for x in row[: k + 1]]
+        vals[i] = row[width : width + k + 1]
+        ranks[i] = int(row[-1])
+    return LogprobsLists(ids, vals, ranks)
 
 
-def _tolist(t: torch.Tensor) -> list:
-    """`t.tolist()`; a CUDA tensor is copied into pinned memory and waited for with an event.
+class AsyncModelRunnerOutput:
+    """A launched step's output: `result()` waits for the sampled ids and returns the `ModelRunnerOutput`.
 
-    That wait is the step's one host sync; unlike `.tolist()` on a device
-    tensor it is not a stream synchronization, so the step runs clean under
-    `torch.cuda.set_sync_debug_mode("error")`.
+    The device->host copy of the sampled ids (with logprobs: one float64
+    tensor [S, 2K+3] = [ids | logprobs | rank]) starts at construction into
+    pinned memory; `result()` waits on an event recorded after it, which is
+    the step's one host sync (not a stream synchronization, so the step is
+    clean under `torch.cuda.set_sync_debug_mode("error")`). `result()` may
+    be called more than once; the batch is updated the first time.
     """
-    if not t.is_cuda:
-        return t.tolist()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
+
+    __slots__ = ("_done", "_host", "_output", "_runner", "has_logprobs", "num_logprobs", "req_id_to_index", "req_ids",
+                 "sample_req_ids", "step_id")
+
+    def __init__(self, runner: ModelRunner | None, step_id: int, req_ids: list[str], req_id_to_index: dict[str, int],
+                 sample_req_ids: list[str], out: SamplerOutput | None, num_logprobs: np.ndarray | None) -> None:
+        self._runner = runner
+        self.step_id = step_id
+        self.req_ids = req_ids
+        self.req_id_to_index = req_id_to_index
+        self.sample_req_ids = sample_req_ids
+        self.num_logprobs = num_logprobs
+        self._output: ModelRunnerOutput | None = None
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        self.has_logprobs = out is not None and out.logprobs is not None
+        if out is None:
+            return
+        t = out.sampled_token_ids
+        if self.has_logprobs:
+            t = torch.cat([out.logprob_token_ids.double(), out.logprobs.double(),
+                           out.sampled_token_ranks.double()[:, None]], dim=1)
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = t
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        """A handle for a step that samples nothing (its output is known at launch)."""
+        handle = cls(None, -1, output.req_ids, output.req_id_to_index, [], None, None)
+        handle._output = output
+        return handle
+
+    def wait_host(self) -> tuple[list[int], list[list[float]] | None]:
+        """(sampled ids in sample order, packed logprob rows or None) once the copy is done."""
+        if self._done is not None:
+            self._done.synchronize()
+        assert self._host is not None
+        if not self.has_logprobs:
+            return self._host.tolist(), None
+        packed = self._host.tolist()
+        return [int(r[0]) for r in packed], packed  # column 0 is the sampled id
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._runner is not None
+            self._output = self._runner._read_back(self)
+        return self._output

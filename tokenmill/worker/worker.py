@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return self._runner().execute_model_async(scheduler_output)
 
     def _runner(self) -> ModelRunner:
         assert self.model_runner is not None, "init_device() first"
