@@ -30,6 +30,9 @@ SCRIPT = textwrap.dedent(
     from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache_kernel
     from tokenmill.attention.ops.triton_merge_splits import merge_splits_kernel
     from tokenmill.platforms.cuda_rules import triton_launch_settings
+    from tokenmill.layers.ops.triton_rms_norm import rms_norm_kernel
+    from tokenmill.layers.ops.triton_rotary import rotary_kernel
+    from tokenmill.layers.ops.triton_activation import act_and_mul_kernel
 
     def sig_of(kernel, pointers, floats, constexprs):
         sig = {}
@@ -72,6 +75,31 @@ SCRIPT = textwrap.dedent(
             results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}", cc=cc,
                                 ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+    # Fused elementwise kernels (RMSNorm, RoPE, gated activations): float16 on sm_70
+    # (ROUND=1), bfloat16 on sm_90 (ROUND=2); libdevice math on, no fp fusion (as launched).
+    for cc in (70, 90):
+        act_ty, rnd = ("*fp16", 1) if cc == 70 else ("*bf16", 2)
+        variants = [
+            ("rms_norm_add_d4096", rms_norm_kernel, 8, ("inv_n", "eps"),
+             dict(HAS_RESIDUAL=True, GEMMA=False, ROUND=rnd, BLOCK_R=1, BLOCK_N=4096)),
+            ("rms_norm_gemma_heads_d128", rms_norm_kernel, 4, ("inv_n", "eps"),
+             dict(HAS_RESIDUAL=False, GEMMA=True, ROUND=rnd, BLOCK_R=16, BLOCK_N=128)),
+            ("rotary_neox_d128", rotary_kernel, 4, (),
+             dict(HEAD_SIZE=128, ROT_HALF=64, ROT_HALF_PAD=64, REST_PAD=0, IS_NEOX=True, ROUND=rnd, BLOCK_H=16)),
+            ("rotary_gptj_partial_d80", rotary_kernel, 4, (),
+             dict(HEAD_SIZE=80, ROT_HALF=16, ROT_HALF_PAD=16, REST_PAD=64, IS_NEOX=False, ROUND=rnd, BLOCK_H=16)),
+            ("silu_and_mul", act_and_mul_kernel, 4, (), dict(ACT=0, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
+            ("gelu_tanh_and_mul", act_and_mul_kernel, 4, (), dict(ACT=1, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
+            ("gelu_erf_and_mul", act_and_mul_kernel, 4, (), dict(ACT=2, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
+        ]
+        for name, kernel, warps, floats, cx in variants:
+            ptrs = {n: act_ty for n in kernel.arg_names if n.endswith("_ptr")}
+            ptrs.update({"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+            ptrs = {n: t for n, t in ptrs.items() if n in kernel.arg_names}
+            src = triton.compiler.ASTSource(fn=kernel, signature=sig_of(kernel, ptrs, floats, cx), constexprs=cx)
+            k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+            results.append(dict(kernel=name, cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
     print(json.dumps(results))
     """
 )
@@ -84,9 +112,11 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    elementwise = ["rms_norm_add_d4096", "rms_norm_gemma_heads_d128", "rotary_neox_d128", "rotary_gptj_partial_d80",
+                   "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("kv_write", 70), ("merge_splits", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
-    ]
+    ] + [(name, cc) for cc in (70, 90) for name in elementwise]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"
         assert r["ptx_target"] == [want], r

@@ -2,6 +2,10 @@
 
 Input `[..., 2 * d]` = `[gate | up]` (as MergedColumnParallelLinear lays it
 out per rank); output `[..., d]` = act(gate) * up.
+
+On CUDA each is one fused Triton kernel (tokenmill/layers/ops/
+triton_activation.py, same roundings); the PyTorch code is the CPU path and
+the reference.
 """
 
 from __future__ import annotations
@@ -10,11 +14,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.ops import use_fused_kernels
+
+# Dtypes of the fused kernels (others take the PyTorch path); spelled out so a
+# CPU import does not load triton through tokenmill.layers.ops.triton_numerics.
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU: silu(x[..., :d]) * x[..., d:]. x [..., 2d] -> [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x) and x.dtype in _FUSED_DTYPES:
+            from tokenmill.layers.ops.triton_activation import silu_and_mul
+
+            return silu_and_mul(x)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -29,6 +47,14 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x) and x.dtype in _FUSED_DTYPES:
+            from tokenmill.layers.ops.triton_activation import gelu_and_mul
+
+            return gelu_and_mul(x, self.approximate)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
 

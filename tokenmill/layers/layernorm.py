@@ -4,12 +4,18 @@ RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * w, computed
 in float32 and cast back as HF's LlamaRMSNorm does. The Gemma variant
 scales by (1 + w) in float32 before the cast (HF's GemmaRMSNorm), so its
 checkpoint weights are stored around 0.
+
+On CUDA, forward is one fused Triton kernel (tokenmill/layers/ops/
+triton_rms_norm.py, same roundings); the PyTorch code below is the CPU path
+and the reference.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tokenmill.layers.ops import use_fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +31,8 @@ class RMSNorm(nn.Module):
         residual given -> x = x + residual; returns (normed x, x) so the
         decoder layer carries the sum as the next residual (as vLLM's fused
         add-RMSNorm; one pass over memory on GPU kernels that fuse it).
+        On CUDA one fused Triton launch (inputs not modified; outputs new
+        contiguous tensors), else `forward_torch`.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, gemma: bool = False) -> None:
@@ -46,6 +54,19 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(x):
+            from tokenmill.layers.ops import triton_rms_norm as ops
+
+            if ops.rms_norm_supported(x, self.weight, self.gemma):
+                if residual is None:
+                    return ops.rms_norm(x, self.weight, self.eps, self.gemma)
+                return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+        return self.forward_torch(x, residual)
+
+    def forward_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -10,6 +10,10 @@ The GPT-J style (`is_neox_style=False`) pairs adjacent dims (0,1), (2,3), ...
 Frequency scalings follow transformers' `modeling_rope_utils.py`:
 "default", "linear" (inv_freq / factor) and "llama3" (Llama-3.1: long
 wavelengths divided by `factor`, short ones kept, a smooth blend between).
+
+On CUDA, forward is one fused Triton kernel for q and k (tokenmill/layers/
+ops/triton_rotary.py, bit-identical); the PyTorch code is the CPU path and
+the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tokenmill.layers.ops import use_fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -96,6 +102,8 @@ class RotaryEmbedding(nn.Module):
 
     forward(positions [T] int64, query [T, nh * head_size], key [T, nkv * head_size])
     -> (query, key) of the same shapes and dtype.
+    On CUDA one fused Triton launch for q and k (bit-identical; q/k may be
+    row-strided views of the fused qkv output), else `forward_torch`.
     """
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict[str, Any],
@@ -124,6 +132,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(query):
+            from tokenmill.layers.ops import triton_rotary as ops
+
+            if ops.rotary_supported(query, key, self.head_size):
+                return ops.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
+                                            self.rotary_dim, self.is_neox_style)
+        return self.forward_torch(positions, query, key)
+
+    def forward_torch(self, positions: torch.Tensor, query: torch.Tensor,
+                      key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""
         num_tokens = positions.shape[0]
         cos = self.cos_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
