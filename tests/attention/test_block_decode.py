@@ -116,3 +116,22 @@ def test_step_buffers_serve_every_layer():
         torch.testing.assert_close(out.double(), _reference(query, layer_cache, TABLES, SEQ_LENS, 0.35),
                                    atol=1e-5, rtol=1e-5)
     assert len(backend._plans) == 1  # planned once for the step
+
+
+def test_bfloat16_cache_matches_reference():
+    """A bfloat16 cache is read in place too: bfloat16 matmuls, float32 softmax, within bfloat16 error."""
+    md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=6)
+    cache = cache.bfloat16()
+    query = torch.randn(len(TABLES), 6, 8, generator=torch.Generator().manual_seed(7)).bfloat16()
+    ref = _reference(query, cache, TABLES, SEQ_LENS, 0.35)
+    plan = plan_block_decode(md.block_table.numpy(), np.arange(4), np.arange(4), np.array(SEQ_LENS, np.int64), BS, None)
+    out = block_decode_attention(query, cache, plan, 0.35, None)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # The backend routes bfloat16 decodes here and returns bfloat16; the grouped-gather path agrees.
+    got = TorchSDPABackend().forward(query, query[:, :2], query[:, :2], cache.clone(), md, scale=0.35)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, out.bfloat16())
+    gathered = TorchSDPABackend(decode_from_cache=False).forward(query, query[:, :2], query[:, :2], cache.clone(), md,
+                                                                 scale=0.35)
+    torch.testing.assert_close(got.double(), gathered.double(), atol=2e-2, rtol=2e-2)

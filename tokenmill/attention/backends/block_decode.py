@@ -1,4 +1,4 @@
-"""Decode attention read block by block straight from the paged KV cache (CPU, float32).
+"""Decode attention read block by block straight from the paged KV cache (CPU, float32 or bfloat16).
 
 TORCH_SDPA's grouped decode path first copies each decode's K/V blocks into a
 padded tensor, then multiplies. On a CPU, decode attention is bound by memory
@@ -155,8 +155,8 @@ def _visibility_bias(owner, key_start, seq_lens, block_size, window) -> torch.Te
 
 
 def block_decode_attention(
-    query: torch.Tensor,  # [T, H, D] float32, the step's queries
-    kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D] float32
+    query: torch.Tensor,  # [T, H, D] float32 or bfloat16, the step's queries
+    kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D], query's dtype
     plan: BlockDecodePlan,
     scale: float,
     cap: float | None,
@@ -166,18 +166,22 @@ def block_decode_attention(
     `cap`: soft-capping of the scores, cap * tanh(scores / cap) (Gemma-2), or None.
     All sources go through one softmax pipeline over their concatenated
     blocks; only the two matmuls (and a gathered source's copy) are per source.
+    The matmuls run in the cache's dtype (bfloat16: oneDNN/AMX); the softmax,
+    the per-row sums and the result are float32. With bfloat16 the scores
+    are rounded to bfloat16 once, as HF's eager attention rounds them.
     """
     num_rows, num_blocks = plan.num_rows, plan.owner.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     width = block_size * num_kv_heads
-    if plan.scores is None or plan.scores.shape != (num_blocks, num_heads, width):
-        plan.scores = query.new_empty(num_blocks, num_heads, width)
-        plan.probs = query.new_zeros(num_blocks, num_kv_heads, group, block_size, num_kv_heads)
-        plan.pv = query.new_empty(num_blocks, num_heads, head_dim)
+    dtype = kv_cache.dtype
+    if plan.scores is None or plan.scores.shape != (num_blocks, num_heads, width) or plan.scores.dtype != dtype:
+        plan.scores = kv_cache.new_empty(num_blocks, num_heads, width)
+        plan.probs = kv_cache.new_zeros(num_blocks, num_kv_heads, group, block_size, num_kv_heads)
+        plan.pv = kv_cache.new_empty(num_blocks, num_heads, head_dim)
     assert plan.probs is not None and plan.pv is not None
-    q = query.index_select(0, plan.token)  # [N, H, D]: each block's owner's query
+    q = query.index_select(0, plan.token).to(dtype)  # [N, H, D]: each block's owner's query
     for src in plan.sources:
         end = src.start + src.n
         torch.bmm(q[src.start : end], src.kv(kv_cache, 0).transpose(1, 2), out=plan.scores[src.start : end])
@@ -185,21 +189,21 @@ def block_decode_attention(
     diag = plan.scores.view(num_blocks, num_kv_heads, group, block_size, num_kv_heads).diagonal(dim1=1, dim2=4)
     diag = diag.permute(0, 3, 1, 2)  # [N, Hkv, G, bs], a strided view
     if cap is None:
-        s = torch.add(plan.bias, diag, alpha=scale)  # bias + scale * qk; one pass, contiguous result
+        s = torch.add(plan.bias, diag, alpha=scale)  # bias + scale * qk; one pass, contiguous float32 result
     else:
-        s = diag.mul(scale / cap).tanh_().mul_(cap).add_(plan.bias)
+        s = plan.bias.new_empty(diag.shape).copy_(diag).mul_(scale / cap).tanh_().mul_(cap).add_(plan.bias)
     s = s.view(num_blocks, num_heads, block_size)
     owner = plan.owner
-    row_max = query.new_full((num_rows + 1, num_heads), float("-inf"))
+    row_max = s.new_full((num_rows + 1, num_heads), float("-inf"))
     row_max.scatter_reduce_(0, owner[:, None].expand(num_blocks, num_heads), s.amax(dim=-1), "amax")
     s = s.sub_(row_max.index_select(0, owner)[:, :, None])
-    p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [N, H, bs]
-    denom = query.new_zeros(num_rows + 1, num_heads).index_add_(0, owner, p.sum(dim=-1))
+    p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [N, H, bs] float32
+    denom = s.new_zeros(num_rows + 1, num_heads).index_add_(0, owner, p.sum(dim=-1))
     # P @ V over all KV heads at once: P placed on the diagonal of [N, Hkv, G, bs, Hkv], zeros elsewhere.
     plan.probs.diagonal(dim1=1, dim2=4).copy_(p.view(num_blocks, num_kv_heads, group, block_size).permute(0, 2, 3, 1))
     probs = plan.probs.view(num_blocks, num_heads, width)
     for src in plan.sources:
         end = src.start + src.n
         torch.bmm(probs[src.start : end], src.kv(kv_cache, 1), out=plan.pv[src.start : end])
-    acc = query.new_zeros(num_rows + 1, num_heads, head_dim).index_add_(0, owner, plan.pv)
+    acc = s.new_zeros(num_rows + 1, num_heads, head_dim).index_add_(0, owner, plan.pv.float())
     return acc[:num_rows] / denom[:num_rows, :, None]
