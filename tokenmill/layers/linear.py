@@ -78,6 +78,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         _copy_checked(param, loaded_weight)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`)."""
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
 
 class ReplicatedLinear(LinearBase):
     """A full copy of the layer on every rank. forward: x [..., in] -> [..., out]."""
@@ -87,7 +93,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -112,7 +118,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -238,8 +244,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self.matmul(x, self.bias)
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.cpu_weights import pack_cpu_linear_weights
 from tokenmill.model_loader.dummy import initialize_dummy_weights
 from tokenmill.model_loader.weight_utils import pt_weights_iterator, safetensors_files, safetensors_weights_iterator
 from tokenmill.models.registry import resolve_model_cls
@@ -93,4 +94,6 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
             raise ValueError(f"The checkpoint at {model_config.model_path} lacks weights for: {shown}.")
     logger.info("Loaded %s (%s, %s) in %.1f s", model_config.architecture or model_cls.__name__,
                 torch_dtype, device, time.perf_counter() - start)
+    if torch.device(device).type == "cpu":
+        pack_cpu_linear_weights(model)  # bfloat16: oneDNN's layout once, not per call
     return model.eval()
