@@ -156,3 +156,27 @@ def test_abort_with_a_step_in_flight(tiny_dir):
     assert set(done) == {f"r{i}" for i in range(len(LENGTHS))} - {"r1", "r4"}
     assert all(n == 50 for n in done.values())
     assert _all_blocks_free(llm)
+
+
+def test_shutdown_releases_the_model_runner(tiny_dir):
+    """A step left in flight (the last one of a generate) must not keep the runner and its KV cache alive."""
+    import gc
+    import weakref
+
+    llm = _llm(tiny_dir, True)
+    _run(llm, _greedy([5] * len(LENGTHS)))
+    core = llm.llm_engine.engine_core
+    runner = weakref.ref(core.executor.worker.model_runner)
+    llm.llm_engine.shutdown()
+    del llm, core
+    gc.collect()
+    assert runner() is None
+
+
+def test_shutdown_frees_the_weights_and_kv_cache_even_if_the_runner_is_referenced(tiny_dir):
+    llm = _llm(tiny_dir, True)
+    _run(llm, _greedy([3] * len(LENGTHS)))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner  # a reference kept past shutdown
+    assert runner.kv_caches and runner.model is not None
+    llm.llm_engine.shutdown()
+    assert runner.kv_caches == [] and runner.model is None and runner.cuda_graphs is None

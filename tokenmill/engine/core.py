@@ -223,6 +223,8 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        # A step still in flight holds the model runner (and through it the KV cache); drop it.
+        self._pending = None
         self.structured_output.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:

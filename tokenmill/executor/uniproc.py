@@ -37,6 +37,8 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if self.worker is None:
             return
+        if self.worker.model_runner is not None:
+            self.worker.model_runner.release()
         self.worker = None
         gc.collect()
         import torch

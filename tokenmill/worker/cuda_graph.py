@@ -154,6 +154,13 @@ class CUDAGraphRunner:
         logger.info("Captured %d CUDA graphs for decode batches of %d..%d requests in %.1f s (%.2f GiB)",
                     len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**30)
 
+    def release(self) -> None:
+        """Drop the graphs (their memory pool), outputs and references to the model and KV cache."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.kv_caches = []
+        self.forward = None  # type: ignore[assignment]
+
     def replay(self, num_reqs: int) -> torch.Tensor | None:
         """Run the decode step of `num_reqs` requests (rows [0, num_reqs) already in the buffers).
 

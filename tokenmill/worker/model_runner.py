@@ -174,6 +174,20 @@ class ModelRunner:
         logger.debug("KV cache: %d blocks, %d tokens, max concurrency %.2fx at max_model_len %d",
                     num_blocks, num_blocks * bs, num_blocks / need, self.max_model_len)
 
+    def release(self) -> None:
+        """Drop the model, KV cache, CUDA graphs and batch buffers (engine shutdown).
+
+        Called before the worker is dropped, so the device memory is freed even
+        while something still references this runner (the CUDA-graph runner
+        holds `_run_model`, a reference cycle the garbage collector may not reach
+        soon, or at all if the objects were frozen with `gc.freeze()`).
+        """
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+        self.kv_caches = []
+        self.model = None
+
     def _use_cuda_graphs(self) -> bool:
         """Graphs need CUDA, the TRITON_ATTN backend, one pipeline stage and no --enforce-eager."""
         if self.device.type != "cuda" or self.config.device_config.enforce_eager:
@@ -382,4 +396,5 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._runner is not None
             self._output = self._runner._read_back(self)
+            self._runner = self._host = self._done = None  # a kept handle must not pin the runner's memory
         return self._output
