@@ -49,3 +49,28 @@ def test_float32_and_switch_off_keep_plain_weights(monkeypatch):
     layers = _block(torch.bfloat16)
     assert pack_cpu_linear_weights(layers) == 0
     assert not any(layer.weight.is_mkldnn for layer in layers)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_bf16_lm_head(tied):
+    from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": VocabParallelEmbedding(100, 32, torch.bfloat16),
+                           "head": ParallelLMHead(100, 32, params_dtype=torch.bfloat16)})
+    model["embed"].weight.data.copy_(torch.randn(100, 32))
+    model["head"].weight.data.copy_(torch.randn(100, 32))
+    if tied:
+        model["head"].tie_weights(model["embed"])
+    hidden = torch.randn(5, 32).bfloat16()
+    want = model["head"].compute_logits(hidden)
+    assert pack_cpu_linear_weights(model) == 1
+    torch.testing.assert_close(model["head"].compute_logits(hidden), want, atol=0, rtol=0)
+    assert model["head"].packed_weight is not None
+    # A tied head packs a copy: the embedding keeps its plain table for lookups.
+    if tied:
+        assert not model["embed"].weight.is_mkldnn
+    else:
+        assert model["head"].weight.is_mkldnn  # in place, no second copy
+    torch.testing.assert_close(model["embed"](torch.tensor([3, 7])), model["embed"].weight[[3, 7]])

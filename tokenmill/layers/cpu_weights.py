@@ -11,7 +11,11 @@ to `F.linear`. float32 stays on `F.linear` (MKL): packing it was no faster
 
 A packed weight is an opaque `torch._mkldnn` tensor of the same shape and
 dtype, replacing the layer's `weight` parameter (no second copy);
-`LinearBase.matmul` calls `torch.ops.mkldnn._linear_pointwise` on it.
+`LinearBase.matmul` calls `torch.ops.mkldnn._linear_pointwise` on it. The
+LM head is packed too (batch 64, SmolLM2's 49152 x 576 head: 10.3 -> 6.5 ms
+per step) into its `packed_weight`: in place when it owns its weight, as a
+second copy when the weight is tied to the input embedding (whose lookups
+need the plain table), and then only up to `_MAX_TIED_COPY_BYTES`.
 Set TOKENMILL_CPU_PACK_WEIGHTS=0 to keep plain weights.
 """
 
@@ -23,6 +27,7 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.layers.embedding import ParallelLMHead
 from tokenmill.layers.linear import LinearBase
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 # oneDNN's batch-size hint for the packed layout; the packed weight serves any batch size
 # (1, 64 and 2048 were measured within noise of each other).
 _BATCH_HINT = 64
+# A tied LM head's packed copy costs this much memory at most (SmolLM2: 54 MiB; Llama 3.2 1B: 501 MiB).
+_MAX_TIED_COPY_BYTES = 512 << 20
 
 
 def bf16_packing_supported() -> bool:
@@ -41,7 +48,7 @@ def bf16_packing_supported() -> bool:
 
 
 def pack_cpu_linear_weights(model: nn.Module) -> int:
-    """Replace each CPU bfloat16 2-D linear weight of `model` by its oneDNN-packed copy.
+    """Replace each CPU bfloat16 2-D linear weight of `model` by its oneDNN-packed copy (LM head included).
 
     Call once, after the weights are loaded (a packed weight cannot be loaded
     into again). Returns the number of layers packed; 0 when disabled by
@@ -50,16 +57,30 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
     """
     if os.environ.get("TOKENMILL_CPU_PACK_WEIGHTS", "1") == "0" or not bf16_packing_supported():
         return 0
+    modules = list(model.modules())
     count = 0
-    for module in model.modules():
-        if not isinstance(module, LinearBase):
-            continue
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.is_mkldnn:
-            continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-        module.weight = nn.Parameter(packed, requires_grad=False)
-        count += 1
+    for module in modules:
+        if isinstance(module, LinearBase) and _packable(module.weight):
+            module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
+            count += 1
+        elif isinstance(module, ParallelLMHead) and _packable(module.weight):
+            weight = module.weight
+            tied = any(m is not module and getattr(m, "weight", None) is weight for m in modules)
+            if not tied:
+                module.weight = nn.Parameter(_pack(weight), requires_grad=False)
+                module.packed_weight = module.weight
+                count += 1
+            elif weight.numel() * weight.element_size() <= _MAX_TIED_COPY_BYTES:
+                module.packed_weight = _pack(weight)
+                count += 1
     if count:
         logger.info("Packed %d bfloat16 linear weights for oneDNN (TOKENMILL_CPU_PACK_WEIGHTS=0 turns it off)", count)
     return count
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and not weight.is_mkldnn
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)

@@ -82,6 +82,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.full_shape = (num_embeddings,)
         else:
             self.register_parameter("bias", None)
+        # CPU bfloat16: the weight in oneDNN's packed layout (`layers/cpu_weights.py`), else None.
+        self.packed_weight: torch.Tensor | None = None
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         n = self.vocab_end - self.vocab_start
@@ -97,7 +99,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         `soft_cap`: Gemma-2 final-logit soft-capping `cap * tanh(logits / cap)`.
         """
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.packed_weight is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden_states, self.packed_weight, self.bias, "none", [], "")
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.num_embeddings].float()
         if soft_cap is not None:
             logits = soft_cap * torch.tanh(logits / soft_cap)
