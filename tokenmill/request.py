@@ -115,7 +115,8 @@ class Request:
         block_hashes: hashes of the request's full blocks (prefix caching).
         num_output_placeholders: tokens scheduled to be sampled whose ids are
             not known yet (async scheduling: the step that samples them is
-            still running while the next one is scheduled); 0 or 1.
+            still running while the next one is scheduled): at most 2, between
+            scheduling step N+1 and reading step N back.
         needs_sync: its sampling reads the tokens generated so far (penalties,
             min_tokens, structured output), so steps holding it are not
             scheduled ahead of their results.

@@ -180,3 +180,43 @@ def test_shutdown_frees_the_weights_and_kv_cache_even_if_the_runner_is_reference
     assert runner.kv_caches and runner.model is not None
     llm.llm_engine.shutdown()
     assert runner.kv_caches == [] and runner.model is None and runner.cuda_graphs is None
+
+
+def _reuse_run(llm: LLM, abort: bool, stop_token: int) -> list[list[int]]:
+    """Request "R" ends (on a stop token, or aborted) with a step in flight, then a new "R" with another prompt."""
+    engine = llm.llm_engine
+    p1, p2 = _prompts()[1], _prompts()[3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
+    first = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token], detokenize=False)
+    got = []
+    engine.add_request("R", p1, params if abort else first)
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 3:
+        engine.step()
+        steps += 1
+    engine.abort_request(["R"]) if abort else None
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("R", p2, params)  # the old R may still be in the step in flight
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got.append(list(out.outputs[0].token_ids))
+    engine.add_request("fresh", p2, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got.append(list(out.outputs[0].token_ids))
+    return got
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["finished", "aborted"])
+def test_reused_request_id_gets_only_its_own_tokens(tiny_dir, abort):
+    probe = _llm(tiny_dir, False).generate(_prompts()[1], _greedy([8])[0], use_tqdm=False)[0]
+    stop_token = probe.outputs[0].token_ids[4]
+    sync = _reuse_run(_llm(tiny_dir, False), abort, stop_token)
+    llm = _llm(tiny_dir, True)
+    got = _reuse_run(llm, abort, stop_token)
+    assert got == sync
+    assert got[0] == got[1]  # the reused id generates what a fresh id does for the same prompt
+    assert _all_blocks_free(llm)

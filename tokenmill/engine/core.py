@@ -118,6 +118,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks)
         # Async scheduling: (scheduler output, handle) of the step launched but not yet read back.
         self._pending: tuple[Any, Any] | None = None
+        # Outputs of a step read back early (a request id reused while its old request was in flight).
+        self._deferred: list[EngineCoreOutputs] = []
         # Grammar compile + per-request matchers + each step's bitmask (structured output).
         self.structured_output = StructuredOutputManager(engine_config)
 
@@ -133,6 +135,10 @@ class EngineCore:
         Raises:
             ValueError: duplicate id, or a prompt the scheduler refuses.
         """
+        if self._pending is not None and request.request_id in self._pending[0].num_scheduled_tokens:
+            # The id's previous request (finished or aborted) is in the step in flight: read that step back
+            # first, or its token would be taken for the new request's. Its outputs go out with the next step.
+            self._deferred.append(self._finish_pending())
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = self.engine_config.scheduler_config.max_model_len - len(request.prompt_token_ids)
@@ -163,6 +169,13 @@ class EngineCore:
         Async scheduling: the outputs returned are those of the step launched
         by the previous call (this call launches the next one first).
         """
+        deferred, self._deferred = self._deferred, []
+        outputs = self._step()
+        if deferred:  # older than this step's: first
+            outputs.outputs[:0] = [o for d in deferred for o in d.outputs]
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         so_failed = self._admit_structured_requests()
         if self.scheduler.async_scheduling:
             if self.scheduler.num_sync_requests == 0:

@@ -175,7 +175,7 @@ class ModelRunner:
                     num_blocks, num_blocks * bs, num_blocks / need, self.max_model_len)
 
     def release(self) -> None:
-        """Drop the model, KV cache, CUDA graphs and batch buffers (engine shutdown).
+        """Drop the model, KV cache and CUDA graphs (engine shutdown; the small batch buffers stay).
 
         Called before the worker is dropped, so the device memory is freed even
         while something still references this runner (the CUDA-graph runner
