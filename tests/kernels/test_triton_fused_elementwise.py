@@ -130,6 +130,21 @@ def test_per_head_norm_on_fused_qkv_views(dtype, gemma):
         _close(got, layer.forward_torch(view))
 
 
+def test_fused_add_rms_norm_mixed_layouts():
+    """x a per-head view and residual contiguous (or the reverse): both read at their own addresses."""
+    t, heads, hd = 3, 4, 16
+    layer = _rms_layer(hd, torch.float32, False, seed=10)
+    wide = _randn(t, heads * hd + 8, dtype=torch.float32, seed=11).to(DEVICE)
+    view = wide[:, : heads * hd].view(t, heads, hd)  # rows split as (t, heads): strided
+    # [t, heads, hd] with a strided last dim: copied to contiguous rows, split as (t * heads, 1).
+    cols = (_randn(t, hd, heads, dtype=torch.float32, seed=12) * 4).to(DEVICE).transpose(1, 2)
+    for x, residual in ((view, cols), (cols, view), (view, cols.contiguous())):
+        normed, new_residual = fused_add_rms_norm(x, residual, layer.weight, layer.eps)
+        want_normed, want_residual = layer.forward_torch(x, residual)
+        assert torch.equal(new_residual, want_residual)
+        _close(normed, want_normed)
+
+
 def test_rms_norm_odd_layouts_and_empty():
     layer = _rms_layer(32, torch.float16, False, seed=7)
     x4 = _randn(2, 2, 3, 32, dtype=torch.float16, seed=8).to(DEVICE)

@@ -60,7 +60,8 @@ class RMSNorm(nn.Module):
             if ops.rms_norm_supported(x, self.weight, self.gemma):
                 if residual is None:
                     return ops.rms_norm(x, self.weight, self.eps, self.gemma)
-                return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+                if residual.shape == x.shape and residual.dtype == x.dtype:
+                    return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
         return self.forward_torch(x, residual)
 
     def forward_torch(

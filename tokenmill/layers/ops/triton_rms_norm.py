@@ -148,7 +148,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     r_rows = x_rows
     if residual is not None:
         residual, r_rows = _as_rows(residual)
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if r_rows[:2] != x_rows[:2]:  # the kernel addresses both by x's row split: give both one flat layout
+            x, x_rows = _as_rows(x.contiguous().view(-1, n))
+            residual, r_rows = _as_rows(residual.contiguous().view(-1, n))
+        residual_out = torch.empty(out.shape, dtype=x.dtype, device=x.device)
     n_rows, n_inner, sx0, sx1 = x_rows
     if n_rows == 0:
         return out, residual_out
