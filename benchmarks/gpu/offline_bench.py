@@ -106,8 +106,10 @@ class StepRecorder:
     """Wraps one engine's `executor.execute_model`: counts steps, requests and tokens; times steps when asked.
 
     `spans_ms()` are execute_model spans in ms: between two CUDA events on a
-    GPU (they end after the step's `.tolist()` sync, so GPU idle time while
-    the host launches kernels is included), host wall time on the CPU.
+    GPU (they end after the step's wait for its sampled ids, so GPU idle time
+    while the host launches kernels is included; under async scheduling the
+    span is the launch, `execute_model_async`, which returns before that
+    wait), host wall time on the CPU.
     """
 
     def __init__(self, llm: Any) -> None:
@@ -132,6 +134,13 @@ class StepRecorder:
         self._spans: list[Any] = []
 
     def _execute(self, scheduler_output: Any) -> Any:
+        return self._record(self._inner, scheduler_output)
+
+    def _execute_async(self, scheduler_output: Any) -> Any:
+        return self._record(self._inner_async, scheduler_output)
+
+    def _record(self, inner: Any, scheduler_output: Any) -> Any:
+        """Count the step and run `inner` on it (timed when asked)."""
         self.steps += 1
         self.reqs += len(scheduler_output.num_scheduled_tokens)
         self.tokens += scheduler_output.total_num_scheduled_tokens
@@ -139,29 +148,20 @@ class StepRecorder:
             print(f"  step {self.steps}: {time.perf_counter() - self._start:.1f} s, mean batch "
                   f"{self.reqs / self.steps:.1f} requests", flush=True)
         if not self.timing:
-            return self._inner(scheduler_output)
+            return inner(scheduler_output)
         if self.cuda:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = self._inner(scheduler_output)
+            out = inner(scheduler_output)
             end.record()
             self._spans.append((start, end))
         else:
             t0 = time.perf_counter()
-            out = self._inner(scheduler_output)
+            out = inner(scheduler_output)
             self._spans.append((time.perf_counter() - t0) * 1e3)
         return out
-
-    def _execute_async(self, scheduler_output: Any) -> Any:
-        """Counts like `_execute`; the span ends when the launch returns (async scheduling: before the results)."""
-        inner = self._inner
-        self._inner = self._inner_async
-        try:
-            return self._execute(scheduler_output)
-        finally:
-            self._inner = inner
 
     def spans_ms(self) -> list[float]:
         """execute_model time of each step since `reset(timing=True)`, ms (syncs the GPU)."""
