@@ -88,6 +88,9 @@ class InputBatch:
             "query_start_loc": torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin_memory),
             "seq_lens": torch.zeros(r, dtype=torch.int32, pin_memory=pin_memory),
             "logits_indices": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
+            # Async scheduling: token indices and sampled-ids entries of the not-yet-read-back inputs.
+            "placeholder_dst": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
+            "placeholder_src": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
         }
         self._dev = {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
         self._host_np = {k: v.numpy() for k, v in self._host.items()}
@@ -111,8 +114,6 @@ class InputBatch:
         self.pending_idx = np.full(r, -1, np.int64)
         # (step id, sampled ids [S] on the device) of the last launched step, until it is read back.
         self._unread: tuple[int, torch.Tensor] | None = None
-        self._ph_host = {k: torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory) for k in ("dst", "src")}
-        self._ph_dev = {k: torch.zeros_like(v, device=device) for k, v in self._ph_host.items()}
 
     @property
     def num_reqs(self) -> int:
@@ -124,7 +125,7 @@ class InputBatch:
 
         Keys: input_ids, positions, slot_mapping ([max_num_batched_tokens] int64),
         query_start_loc ([max_num_reqs + 1] int32), seq_lens ([max_num_reqs] int32),
-        logits_indices ([max_num_reqs] int64).
+        logits_indices, placeholder_dst, placeholder_src ([max_num_reqs] int64).
         """
         return self._dev
 
@@ -317,15 +318,14 @@ class InputBatch:
     def _fill_placeholders(self, input_ids: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> None:
         """input_ids[dst] = (last launched step's sampled ids)[src], on the device (no host sync)."""
         assert self._unread is not None
-        n = len(dst)
-        staged = {}
-        for name, values in (("dst", dst), ("src", src)):
-            host, devbuf = self._ph_host[name][:n], self._ph_dev[name][:n]
-            host.numpy()[:] = values
-            devbuf.copy_(host, non_blocking=True)
-            staged[name] = devbuf
+        staged = []
+        for name, values in (("placeholder_dst", dst), ("placeholder_src", src)):
+            host_view, dev_view = self._staged(name, len(values))
+            host_view.numpy()[:] = values
+            dev_view.copy_(host_view, non_blocking=True)
+            staged.append(dev_view)
         sampled = self._unread[1]
-        input_ids.index_copy_(0, staged["dst"], sampled.index_select(0, staged["src"]).to(input_ids.dtype))
+        input_ids.index_copy_(0, staged[0], sampled.index_select(0, staged[1]).to(input_ids.dtype))
 
     def _commit_block_table(self, rows: np.ndarray) -> torch.Tensor:
         """The block table rows on the device; on CUDA, then mark the step's staged copies."""
