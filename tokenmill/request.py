@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.spec import EXTRA_ARGS_KEY as STRUCTURED_OUTPUTS_KEY
 
 
 class FinishReason(enum.IntEnum):
@@ -149,7 +150,7 @@ class Request:
         p = req.sampling_params
         self.needs_sync = bool(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
-            or (p.extra_args and p.extra_args.get("structured_outputs")))
+            or (p.extra_args and p.extra_args.get(STRUCTURED_OUTPUTS_KEY)))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -220,3 +220,19 @@ def test_reused_request_id_gets_only_its_own_tokens(tiny_dir, abort):
     assert got == sync
     assert got[0] == got[1]  # the reused id generates what a fresh id does for the same prompt
     assert _all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(("kwargs", "sync"), [
+    ({}, False),
+    ({"logprobs": 2, "seed": 3, "temperature": 0.7}, False),
+    ({"repetition_penalty": 1.1}, True),
+    ({"presence_penalty": 0.5}, True),
+    ({"frequency_penalty": 0.5}, True),
+    ({"min_tokens": 4}, True),
+    ({"extra_args": {"structured_outputs": {"choice": ["a", "b"]}}}, True),
+])
+def test_which_requests_need_synchronous_steps(kwargs, sync):
+    from tokenmill.request import EngineCoreRequest, Request
+
+    req = Request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=5, **kwargs)), max_tokens=5)
+    assert req.needs_sync is sync
