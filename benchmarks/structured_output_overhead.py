@@ -183,10 +183,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--e2e", action="store_true", help="also time real engine steps (loads the model)")
     args = ap.parse_args()
-    from tokenmill.engine.core_proc import core_num_threads
-
-    # As the server's engine core: all CPUs but one (2 OpenMP threads on a busy 2-core box spin for seconds).
-    torch.set_num_threads(core_num_threads())
+    # One torch thread, as docs/benchmarks.md's numbers were measured (then the server's core on 2 CPUs;
+    # it now takes both, see core_proc.core_num_threads); 2 OpenMP threads beside the grammar
+    # compile thread on a busy 2-core box spun for seconds.
+    torch.set_num_threads(1)
     r = grammar_overhead(args.steps)
     print(f"tokenizer info (once per engine): {r['tokenizer_info_s']:.2f} s; cold compile per schema: "
           f"median {r['compile_ms_median']:.1f} ms, max {r['compile_ms_max']:.1f} ms; restarts: {r['restarts']}")

@@ -134,3 +134,14 @@ def test_core_crash_is_reported_and_client_refuses_new_work():
             client.shutdown()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("num_cpus, expected", [(1, 1), (2, 2), (7, 7), (8, 7), (64, 63)])
+def test_core_threads_take_small_machines_whole_and_leave_big_ones_a_front_end_cpu(monkeypatch, num_cpus, expected):
+    from tokenmill.engine.core_proc import RESERVE_FRONT_END_CPU_FROM, core_num_threads
+
+    monkeypatch.delenv("TOKENMILL_CPU_THREADS", raising=False)
+    assert RESERVE_FRONT_END_CPU_FROM == 8
+    assert core_num_threads(num_cpus) == expected
+    monkeypatch.setenv("TOKENMILL_CPU_THREADS", "3")
+    assert core_num_threads(num_cpus) == 3
