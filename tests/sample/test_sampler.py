@@ -155,3 +155,25 @@ def test_sampling_follows_the_distribution(temperature):
     freq = torch.bincount(out.sampled_token_ids, minlength=V)[:3].float() / 4000
     expected = (logits[0, :3] / temperature).softmax(-1)
     torch.testing.assert_close(freq, expected, atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_cols", [5, 256, 49152, 1000, 129])
+def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_cols):
+    from tokenmill.sample.ops import argmax_rows
+
+    g = torch.Generator().manual_seed(num_cols)
+    x = torch.randn(7, num_cols, generator=g).to(dtype)
+    top = x.max() + 1
+    x[1, num_cols - 1] = top  # the maximum in the tail chunk's last column
+    x[2, 0] = top  # ties: the first occurrence wins
+    x[2, num_cols // 2] = top
+    x[2, num_cols - 1] = top
+    x[3, :] = 0.5  # a whole row tied
+    x[4, num_cols // 3] = float("nan")  # NaN counts as the maximum
+    x[5, num_cols // 2] = float("-inf")
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[2] == 0 and got[3] == 0
+    assert got[1] == num_cols - 1

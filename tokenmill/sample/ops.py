@@ -76,3 +76,33 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+# Columns per chunk of `argmax_rows`' first pass.
+_ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a [S, V] tensor, the same index (first of ties, NaN counts as the maximum).
+
+    On CPU, torch's argmax is not vectorized while a max reduction is: batch
+    64 x SmolLM2's 49152 logits, one thread, float32 argmax 8.0 ms, this 0.9
+    ms (bfloat16: 15.4 -> 2.7 ms). So: each row's chunks of `_ARGMAX_CHUNK` columns
+    are reduced by `amax`, the argmax of those [S, V / chunk] maxima names the
+    first chunk holding the row's maximum, and an argmax inside that chunk
+    gives the index. The first chunk that holds the maximum holds its first
+    occurrence, so ties resolve as torch's argmax does. Other devices, and rows
+    shorter than two chunks, call `argmax` directly. Returns [S] int64.
+    """
+    num_rows, num_cols = x.shape
+    num_chunks = num_cols // _ARGMAX_CHUNK
+    if x.device.type != "cpu" or num_chunks < 2 or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    body = num_chunks * _ARGMAX_CHUNK
+    chunk_max = x[:, :body].view(num_rows, num_chunks, _ARGMAX_CHUNK).amax(dim=-1)
+    if body < num_cols:  # the tail is one more (shorter) chunk
+        chunk_max = torch.cat([chunk_max, x[:, body:].amax(dim=-1, keepdim=True)], dim=1)
+    start = chunk_max.argmax(dim=-1) * _ARGMAX_CHUNK  # [S]
+    # The tail chunk's missing columns repeat the last one: after the real ones, so never first.
+    cols = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=x.device)).clamp_(max=num_cols - 1)
+    return start + x.gather(1, cols).argmax(dim=-1)

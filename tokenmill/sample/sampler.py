@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p
+from tokenmill.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, argmax_rows
 
 
 @dataclass(slots=True)
@@ -80,7 +80,7 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         assert md.temperature is not None
         scaled = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
@@ -91,7 +91,7 @@ class Sampler:
         random = exponential_race(probs, md.generators)
         if md.all_random:
             return random
-        return torch.where(md.greedy_mask, logits.argmax(dim=-1), random)
+        return torch.where(md.greedy_mask, argmax_rows(logits), random)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -106,7 +106,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     q.exponential_()
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
-    return probs.div(q).argmax(dim=-1)
+    return argmax_rows(probs.div(q))
 
 
 def gather_logprobs(
