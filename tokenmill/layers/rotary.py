@@ -12,8 +12,12 @@ Frequency scalings follow transformers' `modeling_rope_utils.py`:
 wavelengths divided by `factor`, short ones kept, a smooth blend between).
 
 On CUDA, forward is one fused Triton kernel for q and k (tokenmill/layers/
-ops/triton_rotary.py, bit-identical); the PyTorch code is the CPU path and
-the reference.
+ops/triton_rotary.py, bit-identical); `forward_torch` is the reference.
+On CPU, neox style with the whole head rotating takes `forward_cpu`: the
+same roundings in 4 ops for q and k together instead of 14, from a
+[cos | cos] / [-sin | sin] table:
+
+    out = x * [cos | cos] + [x2 | x1] * [-sin | sin]
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 (cast to the activations' dtype at use, as HF does).
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # CPU only, built at first use: [max_position, 2, head_size] float32 rows ([cos | cos], [-sin | sin]).
+        self._cos_sin_full: torch.Tensor | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x [T, n, head_size]; cos, sin [T, 1, rotary_dim // 2]
@@ -138,7 +144,43 @@ class RotaryEmbedding(nn.Module):
             if ops.rotary_supported(query, key, self.head_size):
                 return ops.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
                                             self.rotary_dim, self.is_neox_style)
+        if query.device.type == "cpu" and self.is_neox_style and self.rotary_dim == self.head_size:
+            return self.forward_cpu(positions, query, key)
         return self.forward_torch(positions, query, key)
+
+    def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_torch`, bit-identical, in fewer ops (neox style, rotary_dim == head_size only).
+
+        x1 * cos - x2 * sin is computed as x1 * cos + x2 * (-sin): negation is
+        exact and rounding symmetric, so every intermediate rounds as in
+        `forward_torch`. When key follows query in one buffer (the split of
+        the fused qkv output), both rotate as one [T, nh + nkv, head_size]
+        tensor. Returns q, k as [T, n * head_size] views of one new tensor.
+        """
+        if self._cos_sin_full is None:
+            cos, sin = self.cos_cache, self.sin_cache
+            self._cos_sin_full = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        num_tokens, d = positions.shape[0], self.head_size
+        table = self._cos_sin_full.index_select(0, positions).to(query.dtype)  # [T, 2, d]
+        cos, sin = table[:, None, 0], table[:, None, 1]  # [T, 1, d] each
+        nq, nk = query.shape[-1] // d, key.shape[-1] // d
+        if (query.dim() == 2 and query.stride() == key.stride() and query.stride(1) == 1
+                and key.data_ptr() == query.data_ptr() + query.shape[1] * query.element_size()):
+            x = query.as_strided((num_tokens, nq + nk, d), (query.stride(0), d, 1))
+            out = self._rotate_full(x, cos, sin)
+            return out[:, :nq].reshape(num_tokens, -1), out[:, nq:].reshape(num_tokens, -1)
+        q = self._rotate_full(query.reshape(num_tokens, nq, d), cos, sin)
+        k = self._rotate_full(key.reshape(num_tokens, nk, d), cos, sin)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+    @staticmethod
+    def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, n, d]; cos = [cos | cos], sin = [-sin | sin], [T, 1, d] in x's dtype.
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        out = x * cos
+        return out.add_(swapped.mul_(sin))
 
     def forward_torch(self, positions: torch.Tensor, query: torch.Tensor,
                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
