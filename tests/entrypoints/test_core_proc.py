@@ -143,5 +143,6 @@ def test_core_threads_take_small_machines_whole_and_leave_big_ones_a_front_end_c
     monkeypatch.delenv("TOKENMILL_CPU_THREADS", raising=False)
     assert RESERVE_FRONT_END_CPU_FROM == 8
     assert core_num_threads(num_cpus) == expected
+    assert core_num_threads(num_cpus, device="cuda") == max(1, num_cpus - 1)  # a GPU's host work: old rule
     monkeypatch.setenv("TOKENMILL_CPU_THREADS", "3")
-    assert core_num_threads(num_cpus) == 3
+    assert core_num_threads(num_cpus) == 3 and core_num_threads(num_cpus, device="cuda") == 3

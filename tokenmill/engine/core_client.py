@@ -54,7 +54,8 @@ class EngineCoreClient:
                  core_class: str = "tokenmill.engine.core:EngineCore") -> None:
         self.engine_config = engine_config
         self.core_class = core_class
-        self.num_threads = num_threads if num_threads is not None else core_num_threads()
+        device = getattr(getattr(engine_config, "device_config", None), "device", "cpu")
+        self.num_threads = num_threads if num_threads is not None else core_num_threads(device=device)
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         self.input_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
         self.output_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"

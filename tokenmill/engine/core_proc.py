@@ -40,19 +40,23 @@ _PARENT_CHECK_STEPS = 256  # busy steps between parent-alive checks
 RESERVE_FRONT_END_CPU_FROM = 8
 
 
-def core_num_threads(num_cpus: int | None = None) -> int:
+def core_num_threads(num_cpus: int | None = None, device: str = "cpu") -> int:
     """Torch intra-op threads for the core process.
 
-    With `RESERVE_FRONT_END_CPU_FROM` CPUs or more, all but one (the front
-    end keeps a core of its own, as vLLM's CPU build does); with fewer, all
-    of them. The front end needs a fraction of a core, so on a small machine
-    a reserved core mostly idles. Measured on the 2-core box (SmolLM2-135M,
-    `tokenmill bench serve`, 128 prompts of 128 tokens, 64 output tokens,
-    concurrency 64, same hour): bfloat16 191 -> 260 output tok/s and
-    float32 ~95 -> 135 going from 1 to 2 threads.
+    CPU inference with fewer than `RESERVE_FRONT_END_CPU_FROM` CPUs: all of
+    them (the front end needs a fraction of a core, so a reserved core mostly
+    idles); otherwise all but one, which the front end keeps (as vLLM's CPU
+    build does). Measured on the 2-core box (SmolLM2-135M, `tokenmill bench
+    serve`, 128 prompts of 128 tokens, 64 output tokens, concurrency 64,
+    same hour): bfloat16 191 -> 260 output tok/s and float32 ~95 -> 135 going
+    from 1 to 2 threads. Not measured: structured-output requests (their
+    grammar compiles on a thread of the core process) and long prompts;
+    TOKENMILL_CPU_THREADS sets the count when the default does not suit.
 
     Args:
         num_cpus: CPUs available (default: this process's affinity set).
+        device: the engine's device ("cpu", "cuda"); on a GPU the core's
+            threads only do host work, and one CPU stays with the front end.
 
     Env:
         TOKENMILL_CPU_THREADS: overrides the count (the worker honours it too).
@@ -62,9 +66,9 @@ def core_num_threads(num_cpus: int | None = None) -> int:
     override = os.environ.get("TOKENMILL_CPU_THREADS")
     if override:
         return max(1, int(override))
-    if num_cpus >= RESERVE_FRONT_END_CPU_FROM:
-        return num_cpus - 1
-    return max(1, num_cpus)
+    if device == "cpu" and num_cpus < RESERVE_FRONT_END_CPU_FROM:
+        return num_cpus
+    return max(1, num_cpus - 1)
 
 
 def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_threads: int,
