@@ -158,22 +158,37 @@ def test_sampling_follows_the_distribution(temperature):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_cols", [5, 256, 49152, 1000, 129])
-def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_cols):
+@pytest.mark.parametrize("num_cols", [256, 257, 385, 1000, 49152])
+@pytest.mark.parametrize("sliced", [False, True])
+def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_cols, sliced):
     from tokenmill.sample.ops import argmax_rows
 
     g = torch.Generator().manual_seed(num_cols)
-    x = torch.randn(7, num_cols, generator=g).to(dtype)
+    # sliced: rows of a wider buffer (a padded vocabulary), not contiguous
+    x = torch.randn(8, num_cols + 24 * sliced, generator=g).to(dtype)[:, :num_cols]
     top = x.max() + 1
-    x[1, num_cols - 1] = top  # the maximum in the tail chunk's last column
+    x[1, num_cols - 1] = top  # the maximum in the last chunk's last column
     x[2, 0] = top  # ties: the first occurrence wins
     x[2, num_cols // 2] = top
     x[2, num_cols - 1] = top
     x[3, :] = 0.5  # a whole row tied
     x[4, num_cols // 3] = float("nan")  # NaN counts as the maximum
     x[5, num_cols // 2] = float("-inf")
+    x[6, :] = float("-inf")  # every token banned
+    x[7, 130] = top  # a tie between two chunks after the first
+    x[7, 255] = top
     got = argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
-    assert got[2] == 0 and got[3] == 0
+    assert got[2] == 0 and got[3] == 0 and got[6] == 0 and got[7] == 130
     assert got[1] == num_cols - 1
+
+
+def test_argmax_rows_falls_back_for_short_rows_and_other_layouts():
+    from tokenmill.sample.ops import argmax_rows
+
+    x = torch.randn(4, 129)  # one chunk and a tail: plain argmax
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    t = torch.randn(300, 5).t()  # last stride 300
+    assert torch.equal(argmax_rows(t), t.argmax(dim=-1))
+    assert argmax_rows(torch.randn(0, 512)).shape == (0,)

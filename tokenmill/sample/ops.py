@@ -91,8 +91,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     are reduced by `amax`, the argmax of those [S, V / chunk] maxima names the
     first chunk holding the row's maximum, and an argmax inside that chunk
     gives the index. The first chunk that holds the maximum holds its first
-    occurrence, so ties resolve as torch's argmax does. Other devices, and rows
-    shorter than two chunks, call `argmax` directly. Returns [S] int64.
+    occurrence, so ties resolve as torch's argmax does. Other devices, rows
+    shorter than two chunks and rows whose columns are not contiguous call
+    `argmax` directly. Returns [S] int64.
     """
     num_rows, num_cols = x.shape
     num_chunks = num_cols // _ARGMAX_CHUNK
