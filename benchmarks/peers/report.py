@@ -165,6 +165,8 @@ def section(args: argparse.Namespace) -> str:
            "and its API server shares them: tokenmill reserves a core for the front end only from 8 CPUs on, "
            "`core_num_threads` in tokenmill/engine/core_proc.py; `VLLM_USE_AOT_COMPILE=0` only picks the compile "
            "cache that vLLM 0.32 can load again on CPU, so a start takes ~1-2 min instead of recompiling). "
+           "The opt-in row `vllm-cpu-bf16-allcpus`, where present, is vLLM CPU with "
+           "`VLLM_CPU_NUM_OF_RESERVED_CPU=0`: no core reserved, its worker runs 2 threads as tokenmill's core does. "
            "\"load at start\" is the machine's 1-minute load "
            "average when the run began: above ~2 (the core count) other work shared the cores and the row "
            "understates that peer.", "",

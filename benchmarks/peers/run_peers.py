@@ -71,7 +71,8 @@ def summary(path: Path) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"Comma list from: {', '.join(ALL_PEERS)}; or `all`.")
+                   help=f"Comma list from: {', '.join(ALL_PEERS)}; or `all` (all but the opt-in "
+                        f"{', '.join(n for n, p in ALL_PEERS.items() if p.opt_in)}).")
     p.add_argument("-c", "--concurrency", default="1,4,16,64", help="Comma list of max concurrencies.")
     p.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=64,
@@ -99,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.results_dir = Path(args.results_dir or default_dir).resolve()
     args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if args.quick
                                                 else ROOT / "docs" / "benchmarks.md")
-    names = list(ALL_PEERS) if args.peers == "all" else [n.strip() for n in args.peers.split(",") if n.strip()]
+    names = ([n for n, p in ALL_PEERS.items() if not p.opt_in] if args.peers == "all"
+             else [n.strip() for n in args.peers.split(",") if n.strip()])
     unknown = [n for n in names if n not in ALL_PEERS]
     if unknown:
         raise SystemExit(f"Unknown peer(s) {unknown}; choose from {list(ALL_PEERS)}.")
