@@ -180,8 +180,9 @@ class RotaryEmbedding(nn.Module):
         table = table_full.index_select(0, positions).to(query.dtype)  # [T, 2, d]
         cos, sin = table[:, None, 0], table[:, None, 1]  # [T, 1, d] each
         nq, nk = query.numel() // max(1, num_tokens * d), key.numel() // max(1, num_tokens * d)
+        adjacent = key.data_ptr() == query.data_ptr() + query.shape[-1] * query.element_size()
         if (query.dim() == 2 and key.dim() == 2 and key.dtype == query.dtype and query.stride() == key.stride()
-                and query.stride(1) == 1 and key.data_ptr() == query.data_ptr() + query.shape[1] * query.element_size()):
+                and query.stride(1) == 1 and adjacent):
             x = query.as_strided((num_tokens, nq + nk, d), (query.stride(0), d, 1))
             out = self._rotate_full(x, cos, sin)
             return out[:, :nq].reshape(query.shape), out[:, nq:].reshape(key.shape)
