@@ -17,6 +17,19 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """Folder with the config.json of a tiny random Llama (vocab 256, 2 layers, 4 heads / 2 KV heads,
+    hidden 32, 256 positions): load it with `load_format="dummy", skip_tokenizer_init=True`."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256,
+                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Absolute path of the bundled SmolLM2-135M-Instruct GGUF (skips when not installed)."""
     from tokenmill.model_loader.source import bundled_gguf_path

@@ -21,17 +21,6 @@ from tokenmill import LLM, SamplingParams
 LENGTHS = [3, 17, 40, 64, 5, 33, 90, 12]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("tiny_llama_async")
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
-
-
 def _prompts() -> list[dict]:
     rng = np.random.default_rng(0)
     return [{"prompt_token_ids": rng.integers(10, 246, n).tolist()} for n in LENGTHS]

@@ -18,17 +18,6 @@ from tokenmill.config import EngineArgs
 PROMPT = list(range(100, 140))  # 2 full blocks + 8 tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
-
-
 def _llm(folder: str, **kwargs) -> LLM:
     return LLM(folder, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=256,
                kv_cache_memory_bytes="4M", **kwargs)
