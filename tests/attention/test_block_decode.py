@@ -1,4 +1,8 @@
-"""Block-wise decode attention straight from the paged cache (CPU float32) vs a float64 reference."""
+"""Block-wise decode attention straight from the paged cache (CPU float32) vs a float64 reference.
+
+The backend is built with use_cpu_kernel=False here: these tests are about the PyTorch path
+(`block_decode`); the C kernel has its own tests (test_cpu_decode_kernel.py).
+"""
 
 from __future__ import annotations
 
@@ -71,7 +75,7 @@ def test_matches_reference(window, cap, los):
     torch.testing.assert_close(out.double(), _reference(query, cache, TABLES, SEQ_LENS, 0.35, window, cap),
                                atol=1e-5, rtol=1e-5)
     # Through the backend (its default on CPU float32), also with the grouped-gather path for comparison.
-    for backend in (TorchSDPABackend(), TorchSDPABackend(decode_from_cache=False)):
+    for backend in (TorchSDPABackend(use_cpu_kernel=False), TorchSDPABackend(decode_from_cache=False)):
         got = backend.forward(query, query[:, :2], query[:, :2], cache.clone(), md, scale=0.35,
                               sliding_window=window, logits_soft_cap=cap)
         torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
@@ -107,7 +111,7 @@ def test_far_below_max_scores_underflow_to_zero():
 def test_step_buffers_serve_every_layer():
     """Layers of one step share the plan and its buffers; each layer still gets its own queries and cache."""
     md, cache = _batch(TABLES, SEQ_LENS, 64, 2, 8, seed=4)
-    backend = TorchSDPABackend()
+    backend = TorchSDPABackend(use_cpu_kernel=False)
     g = torch.Generator().manual_seed(5)
     for layer in range(3):
         layer_cache = cache * (1 + layer) if layer else cache  # POISON scales too: still junk
@@ -129,7 +133,8 @@ def test_bfloat16_cache_matches_reference():
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     # The backend routes bfloat16 decodes here and returns bfloat16; the grouped-gather path agrees.
-    got = TorchSDPABackend().forward(query, query[:, :2], query[:, :2], cache.clone(), md, scale=0.35)
+    got = TorchSDPABackend(use_cpu_kernel=False).forward(query, query[:, :2], query[:, :2], cache.clone(), md,
+                                                         scale=0.35)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, out.bfloat16())
     gathered = TorchSDPABackend(decode_from_cache=False).forward(query, query[:, :2], query[:, :2], cache.clone(), md,

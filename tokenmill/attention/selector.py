@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
+from tokenmill.attention.ops import cpu_decode
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,8 @@ def get_attn_backend(device_type: str, requested_name: str | None = None):
     """Return an attention backend instance for `device_type` ("cpu" or "cuda").
 
     Defaults: CPU -> TORCH_SDPA; CUDA -> TRITON_ATTN when it imports, else
-    TORCH_SDPA (logged).
+    TORCH_SDPA (logged). On CPU the C decode kernel is built here, at start-up
+    (once per machine, then cached), not at the first decode.
 
     Raises:
         ValueError: `requested_name` is not a known backend, or TRITON_ATTN is
@@ -31,6 +33,8 @@ def get_attn_backend(device_type: str, requested_name: str | None = None):
     name = requested_name.upper() if requested_name else None
     if name is not None and name not in BACKEND_NAMES:
         raise ValueError(f"Unknown attention backend {requested_name!r}; choose one of {', '.join(BACKEND_NAMES)}.")
+    if device_type == "cpu":
+        cpu_decode.load_kernel()
     if name == "TORCH_SDPA":
         return TorchSDPABackend()
     if name == "TRITON_ATTN":

@@ -12,9 +12,12 @@ Runs wherever PyTorch runs (CPU, any CUDA GPU including cc 7.0). Each step:
    k with k <= p, and with a sliding window W also k > p - W (HF's mask).
 
 On CPU in float32 and bfloat16, the decodes (query_len 1) of a step are read
-block by block straight from the cache, without a gathered copy of their K/V
-(`block_decode`; offline_throughput decode step, SmolLM2, one thread: 20%
-less attention time in float32; bfloat16 batch-64 decode step ~300 -> ~210 ms).
+straight from the cache, without a gathered copy of their K/V: by the C
+kernel of `tokenmill.attention.ops.cpu_decode` where it builds (64 decodes of
+~175 keys, SmolLM2 bfloat16, 2 threads: 0.56 vs 2.0 ms per layer), else
+block by block in PyTorch (`block_decode`; offline_throughput decode step,
+SmolLM2, one thread: 20% less attention time in float32; bfloat16 batch-64
+decode step ~300 -> ~210 ms).
 Elsewhere, decodes are sorted by length and cut into groups of
 about `decode_group_keys` gathered keys (rows x padded keys); each group is
 one padded gather and one batched matmul. Similar lengths keep the padding
@@ -44,6 +47,7 @@ import torch
 from tokenmill.attention.backends.block_decode import BlockDecodePlan, block_decode_attention, plan_block_decode
 from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sdpa
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.ops import cpu_decode
 
 # CPU cache dtypes that block_decode reads in place (its matmuls run in the cache's dtype).
 _BLOCK_DECODE_DTYPES = (torch.float32, torch.bfloat16)
@@ -83,7 +87,10 @@ class _Plan:
     prefills: list[_Group] = field(default_factory=list)
     # CPU float32/bfloat16: all decode rows read block by block from the cache (replaces `decodes`).
     block_decode: BlockDecodePlan | None = None
-    decode_tokens: torch.Tensor | None = None  # [B] token rows of block_decode's rows
+    decode_tokens: torch.Tensor | None = None  # [B] token rows of the from-cache decode rows
+    # ... with the C kernel instead of block_decode: [B] int64 block-table row and key count of each.
+    decode_reqs: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
 
 class TorchSDPABackend:
@@ -98,16 +105,18 @@ class TorchSDPABackend:
             (rows x the group's longest context, at least one row).
         use_sdpa_prefill: route prefill chunks to torch's fused SDPA (tests
             turn it off to exercise the paged path).
-        decode_from_cache: on CPU in float32 or bfloat16, attend decodes block by block
-            straight from the cache (`block_decode`) instead of gathering
+        decode_from_cache: on CPU in float32 or bfloat16, attend decodes straight from
+            the cache (the C kernel, else `block_decode`) instead of gathering
             grouped copies of their K/V.
+        use_cpu_kernel: let decode_from_cache use the C kernel when it builds
+            (`cpu_decode.load_kernel`; also off with TOKENMILL_CPU_KERNELS=0).
     """
 
     name = "TORCH_SDPA"
 
     def __init__(
         self, kv_tile_size: int = 1024, decode_tile_budget: int = 64 * 1024, use_sdpa_prefill: bool = True,
-        decode_group_keys: int = 4096, decode_from_cache: bool = True,
+        decode_group_keys: int = 4096, decode_from_cache: bool = True, use_cpu_kernel: bool = True,
     ) -> None:
         if kv_tile_size < 1:
             raise ValueError(f"kv_tile_size must be >= 1, got {kv_tile_size}.")
@@ -116,6 +125,7 @@ class TorchSDPABackend:
         self.decode_group_keys = decode_group_keys
         self.use_sdpa_prefill = use_sdpa_prefill
         self.decode_from_cache = decode_from_cache
+        self.use_cpu_kernel = use_cpu_kernel
         self._plans: list[_Plan] = []  # this step's plans, one per sliding-window value
 
     def forward(
@@ -140,13 +150,22 @@ class TorchSDPABackend:
         write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
         from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype == kv_cache.dtype
                       and kv_cache.dtype in _BLOCK_DECODE_DTYPES)
-        plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache)
+        kernel = None
+        if from_cache and self.use_cpu_kernel and cpu_decode.kernel_supports(query, kv_cache):
+            kernel = cpu_decode.load_kernel()
+        plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
+                              kernel is not None)
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         # Every token row of the step's requests is written below; only padding rows need zeros.
         out = torch.empty_like(query)
         out[int(attn_metadata.query_start_loc_cpu[attn_metadata.num_reqs]) :].zero_()
+        if plan.decode_reqs is not None:
+            assert kernel is not None and plan.decode_tokens is not None and plan.decode_seq_lens is not None
+            cpu_decode.paged_decode_attention(kernel, query, kv_cache, attn_metadata.block_table, plan.decode_reqs,
+                                              plan.decode_tokens, plan.decode_seq_lens, scale, out,
+                                              sliding_window, logits_soft_cap)
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
             o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap)
@@ -177,24 +196,28 @@ class TorchSDPABackend:
     # ---- planning (once per step and window) ---------------------------------------
 
     def _get_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device,
-                  from_cache: bool) -> _Plan:
+                  from_cache: bool, with_kernel: bool) -> _Plan:
         if self._plans and self._plans[0].md is not md:
             self._plans = []  # a new step
         for plan in self._plans:
             if plan.window == window:
                 return plan
-        plan = self._make_plan(md, window, block_size, device, from_cache)
+        plan = self._make_plan(md, window, block_size, device, from_cache, with_kernel)
         self._plans.append(plan)
         return plan
 
     def _make_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device,
-                   from_cache: bool) -> _Plan:
+                   from_cache: bool, with_kernel: bool) -> _Plan:
         qsl, seq_lens = md.query_start_loc_cpu.astype(np.int64), md.seq_lens_cpu.astype(np.int64)
         num_reqs = md.num_reqs
         query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
         plan = _Plan(md, window)
         decodes = np.flatnonzero(query_lens == 1)
-        if len(decodes) and from_cache:  # CPU: the block table is host memory, .numpy() is free
+        if len(decodes) and from_cache and with_kernel:
+            plan.decode_reqs = torch.from_numpy(decodes.astype(np.int64))
+            plan.decode_tokens = torch.from_numpy(qsl[decodes])
+            plan.decode_seq_lens = torch.from_numpy(seq_lens[decodes])
+        elif len(decodes) and from_cache:  # CPU: the block table is host memory, .numpy() is free
             plan.block_decode = plan_block_decode(md.block_table.numpy(), decodes, qsl[decodes], seq_lens[decodes],
                                                   block_size, window)
             plan.decode_tokens = torch.from_numpy(qsl[decodes])

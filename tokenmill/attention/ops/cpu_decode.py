@@ -1,0 +1,180 @@
+"""CPU decode attention in C (`cpu_decode_attention.c`), compiled at first use; None when it cannot be.
+
+TORCH_SDPA's PyTorch decode path on CPU (`block_decode`) multiplies each
+16-key block by its owner's query in batched matmuls: hundreds of tiny
+matmuls per layer, whose fixed costs and the softmax bookkeeping around them
+set its speed, not the memory traffic. The C kernel reads each key and value
+once, keeps the scores and sums in float32 vector registers (AVX-512 where
+the CPU has it), and writes the result straight into the attention output.
+(SmolLM2-135M bfloat16, 64 decodes of ~180 keys, 2 threads: see
+docs/benchmarks.md, "CPU decode attention in C".)
+
+Build: the first `load_kernel()` compiles the source with the system C
+compiler (`$CC`, else `cc`, `gcc` or `clang`) and `-O3 -march=native
+-fopenmp` into `$TOKENMILL_CACHE_DIR/kernels` (default
+`~/.cache/tokenmill/kernels`), named by a hash of the source, the flags, the
+compiler's version and this CPU's feature flags, so later processes load it
+at once (a build takes ~5-10 s). No compiler, a failed build, or
+`TOKENMILL_CPU_KERNELS=0` -> None, and the caller keeps the PyTorch path
+(logged once). The library links the libgomp that torch already loaded (the
+dynamic loader reuses a loaded soname), so `torch.set_num_threads` sets its
+thread count too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# The kernel's limits (MAX_GROUP, MAX_HEAD_DIM in the C source); other models keep the PyTorch path.
+MAX_GROUP = 16
+MAX_HEAD_DIM = 256
+
+_kernel: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), so a shared cache never hands a -march=native build to another CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str) -> Path:
+    """Compile (or find) the library; returns its path. Raises OSError / subprocess errors on failure."""
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False,
+                             timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes building at once never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled library, built on the first call; None when unavailable (see the module docstring)."""
+    global _kernel, _tried
+    if _tried:
+        return _kernel
+    _tried = True
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("No C compiler found: CPU decode attention uses the PyTorch path (slower).")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("Building the CPU decode-attention kernel failed; using the PyTorch path (slower). %s",
+                       str(detail).strip()[-500:])
+        return None
+    i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    fn = lib.paged_decode_attention
+    fn.restype = c_int
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32,
+                   c_int, c_int]
+    _kernel = lib
+    logger.debug("CPU decode-attention kernel loaded from %s", lib._name)
+    return lib
+
+
+def kernel_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """True when the C kernel takes these tensors: CPU, float32 or bfloat16 like the cache, a contiguous cache,
+    each row's heads contiguous, and G = H / Hkv <= MAX_GROUP, head_dim <= MAX_HEAD_DIM."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    return (query.device.type == "cpu" and query.dtype == kv_cache.dtype
+            and query.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
+            and query.stride(2) == 1 and query.stride(1) == head_dim
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM)
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_idx: torch.Tensor,
+    q_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+    cap: float | None = None,
+) -> None:
+    """Decode attention of B rows over their cached keys, written into `out[q_rows]`.
+
+    Args:
+        query: [T, H, D] float32 or bfloat16, the step's queries (each row's heads contiguous).
+        kv_cache: [2, num_blocks, block_size, Hkv, D], query's dtype, contiguous.
+        block_table: [num_reqs, max_blocks] int32 physical block ids (CPU).
+        req_idx: [B] int64 block-table row of each decode row.
+        q_rows: [B] int64 token row of each decode row in `query` and `out`.
+        seq_lens: [B] int64 keys each row attends to (its own included), >= 1.
+        scale: score scale (usually head_dim ** -0.5).
+        out: [T, H, D] query's dtype, each row's heads contiguous; rows q_rows are overwritten.
+        window: sliding window W (keys at positions > p - W, HF's mask); None = all keys.
+        cap: Gemma-2 soft-capping of the scores, cap * tanh(s / cap); None = off.
+
+    Raises:
+        ValueError: the kernel rejected the shapes (see `kernel_supports`), or the score
+            buffer could not be allocated.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if not (out.dtype == query.dtype and out.stride(2) == 1 and out.stride(1) == head_dim):
+        raise ValueError(f"out must be {query.dtype} with contiguous heads, got {out.dtype} {tuple(out.stride())}")
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    req_idx, q_rows, seq_lens = (t.to(torch.int64).contiguous() for t in (req_idx, q_rows, seq_lens))
+    rc = lib.paged_decode_attention(
+        query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
+        out.stride(0), table.data_ptr(), table.stride(0), req_idx.data_ptr(), q_rows.data_ptr(),
+        seq_lens.data_ptr(), req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
+        cap or 0.0, int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc == -2:
+        raise ValueError("CPU decode kernel: could not allocate its score buffer.")
+    if rc != 0:
+        raise ValueError(f"CPU decode kernel: {num_heads // num_kv_heads} query heads per KV head or head_dim "
+                         f"{head_dim} is above its limits ({MAX_GROUP}, {MAX_HEAD_DIM}).")

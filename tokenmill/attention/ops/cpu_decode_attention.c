@@ -1,0 +1,364 @@
+/* Decode attention straight from the paged KV cache, on CPU (built and called by cpu_decode.py).
+ *
+ * Each decode row has one query token; it attends over its keys at positions
+ * [start, seq_len), read where they lie in the cache [num_blocks, block_size,
+ * num_kv_heads, head_dim] through the row's block table (start > 0 only with
+ * a sliding window W: start = seq_len - W, HF's mask). One work item is one
+ * row; its KV heads are visited in turn, and the G = H / Hkv query heads of a
+ * KV head share every key and value load. Per KV head, two passes:
+ *
+ *   scores:  s[g][t] = scale * (q_g . k_t)        (soft-capped: cap * tanh(s / cap))
+ *   softmax: p[g][t] = exp(s[g][t] - max_t s[g]) / sum_t exp(...)   (float32)
+ *   values:  o_g = sum_t p[g][t] * v_t            (float32 accumulators)
+ *
+ * With bfloat16 the dot products are rounded to bfloat16 before the scale and
+ * the probabilities are rounded to bfloat16 before P @ V, where HF's eager
+ * attention rounds them (q @ k^T and softmax(...).to(bf16) in bf16); the
+ * output is rounded to the query's dtype and written into the caller's
+ * attention output at the row's token index.
+ *
+ * Speed (AVX-512, the common case): 16 keys at a time. Each key's dot product
+ * is a 16-lane partial sum (vdpbf16ps on bfloat16 pairs where the CPU has
+ * AVX512-BF16, else float32 FMAs), and the 16 partial sums are reduced into
+ * one vector of 16 scores by a transpose-and-add tree (45 shuffles and adds
+ * instead of 16 separate horizontal sums). exp is a vector polynomial: the
+ * argument is split as x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, with ln2 in
+ * two parts), e^r by its degree-7 Taylor polynomial (relative error < 1e-8
+ * there), then scaled by 2^n. Exponents below -87 give 0, as in block_decode.
+ * Without AVX-512 the same passes run as plain loops.
+ *
+ * Threads: the rows are shared by an OpenMP loop; cpu_decode.py links the
+ * libgomp that torch already loaded, so torch.set_num_threads governs both.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+typedef struct {
+    const void *q;
+    const void *k_cache, *v_cache;
+    void *out;
+    const int32_t *block_table;
+    const int64_t *req_idx, *q_rows, *seq_lens;
+    int64_t q_row_stride, out_row_stride, bt_row_stride;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, window;
+    float scale, cap;
+    int is_bf16;
+} Args;
+
+/* ---- scalar helpers ---------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+/* bfloat16 bits of x, round to nearest even; NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* Per-thread score buffer, grown on demand (never freed: one per OpenMP thread). */
+static float *scratch(int64_t n) {
+    static __thread float *buf = NULL;
+    static __thread int64_t size = 0;
+    if (n > size) {
+        float *p = (float *)realloc(buf, sizeof(float) * (size_t)n);
+        if (p == NULL) return NULL;
+        buf = p;
+        size = n;
+    }
+    return buf;
+}
+
+/* ---- plain-C passes (any CPU; also the fallback for shapes the vector path does not take) ---- */
+
+static int item_generic(const Args *a, int64_t r) {
+    const int64_t G = a->num_heads / a->num_kv_heads, hd = a->head_dim, bs = a->block_size;
+    const int64_t ts = a->num_kv_heads * hd;
+    const int64_t seq_len = a->seq_lens[r];
+    const int64_t start = (a->window > 0 && seq_len > a->window) ? seq_len - a->window : 0;
+    const int64_t n = seq_len - start;
+    const int32_t *table = a->block_table + a->req_idx[r] * a->bt_row_stride;
+    float *s = scratch(G * n);
+    if (s == NULL) return -2;
+    float q[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    for (int64_t h = 0; h < a->num_kv_heads; h++) {
+        const int64_t qoff = a->q_rows[r] * a->q_row_stride + h * G * hd;
+        for (int64_t i = 0; i < G * hd; i++)
+            q[i] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[qoff + i]) : ((const float *)a->q)[qoff + i];
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * ts + h * hd;
+            for (int64_t d = 0; d < hd; d++)
+                row[d] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->k_cache)[off + d])
+                                    : ((const float *)a->k_cache)[off + d];
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.f;
+                for (int64_t d = 0; d < hd; d++) dot += q[g * hd + d] * row[d];
+                float x = (a->is_bf16 ? round_bf16(dot) : dot) * a->scale;
+                if (a->cap > 0.f) x = a->cap * tanhf(x / a->cap);
+                s[g * n + t] = x;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = s + g * n, m = -INFINITY, sum = 0.f;
+            for (int64_t t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
+            for (int64_t t = 0; t < n; t++) {
+                const float x = sg[t] - m;
+                sg[t] = x < -87.f ? 0.f : expf(x);
+                sum += sg[t];
+            }
+            for (int64_t t = 0; t < n; t++) sg[t] = a->is_bf16 ? round_bf16(sg[t] / sum) : sg[t] / sum;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(G * hd));
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * ts + h * hd;
+            for (int64_t d = 0; d < hd; d++)
+                row[d] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->v_cache)[off + d])
+                                    : ((const float *)a->v_cache)[off + d];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < hd; d++) acc[g * hd + d] += s[g * n + t] * row[d];
+        }
+        const int64_t ooff = a->q_rows[r] * a->out_row_stride + h * G * hd;
+        for (int64_t i = 0; i < G * hd; i++) {
+            if (a->is_bf16) ((uint16_t *)a->out)[ooff + i] = f32_to_bf16(acc[i]);
+            else ((float *)a->out)[ooff + i] = acc[i];
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX512F__)
+/* ---- AVX-512 passes ---------------------------------------------------------------------- */
+
+/* 16 elements at p (bfloat16 or float32) as float32. */
+static inline __m512 load16(const void *p, const int is_bf16) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps(p);
+}
+
+/* Round each lane to bfloat16 precision (nearest even), NaN kept. */
+static inline __m512 round_bf16_v(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, x);
+}
+
+/* Store the first c lanes of x at p as bfloat16 (x already rounded) or float32. */
+static inline void store16(void *p, __m512 x, const int is_bf16, int c) {
+    const __mmask16 m = (__mmask16)((c >= 16) ? 0xffff : ((1u << c) - 1u));
+    if (is_bf16) {
+        const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_v(x)), 16));
+        _mm256_mask_storeu_epi16(p, m, b);
+    } else {
+        _mm512_mask_storeu_ps(p, m, x);
+    }
+}
+
+/* e^x per lane for x <= 0 (softmax exponents); x < -87 gives 0. See the file comment. */
+static inline __m512 exp_v(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+/* out[i] = sum of the 16 lanes of v[i], for i < 16 (transpose-and-add tree). */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per lane: the lane's partial sums of v[4i .. 4i+3] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+/* One row, G query heads per KV head and head_dim HD fixed at compile time (loops unroll). */
+static inline __attribute__((always_inline)) int item_avx512(const Args *a, int64_t r, const int64_t G,
+                                                               const int64_t HD, const int is_bf16) {
+    const int64_t C = HD / 16; /* 16-lane chunks per head vector */
+    const int64_t es = is_bf16 ? 2 : 4;
+    const int64_t bs = a->block_size, ts = a->num_kv_heads * HD;
+    const int64_t seq_len = a->seq_lens[r];
+    const int64_t start = (a->window > 0 && seq_len > a->window) ? seq_len - a->window : 0;
+    const int64_t n = seq_len - start;
+    const int32_t *table = a->block_table + a->req_idx[r] * a->bt_row_stride;
+    const float scale = a->scale, cap = a->cap;
+    float *s = scratch(G * (n + 16));
+    if (s == NULL) return -2;
+    const int64_t ns = n + 16; /* score row stride: room for a whole last chunk */
+    for (int64_t h = 0; h < a->num_kv_heads; h++) {
+        const char *qh = (const char *)a->q + (a->q_rows[r] * a->q_row_stride + h * G * HD) * es;
+        /* pass 1: scores, 16 keys at a time, block by block (no division per key) */
+        for (int64_t t = 0; t < n;) {
+            const int64_t pos = start + t, b = pos / bs, off = pos % bs;
+            int64_t c = bs - off < n - t ? bs - off : n - t;
+            c = c < 16 ? c : 16;
+            const char *kp = (const char *)a->k_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * es;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 v[16];
+#if defined(__AVX512BF16__)
+                if (is_bf16) {
+                    __m512i qv[MAX_HEAD_DIM / 32];
+                    for (int64_t j = 0; j < HD / 32; j++)
+                        qv[j] = _mm512_loadu_si512((const void *)(qh + (g * HD + 32 * j) * 2));
+                    for (int i = 0; i < 16; i++) {
+                        v[i] = _mm512_setzero_ps();
+                        if (i < c)
+                            for (int64_t j = 0; j < HD / 32; j++)
+                                v[i] = _mm512_dpbf16_ps(v[i], (__m512bh)qv[j],
+                                                        (__m512bh)_mm512_loadu_si512((const void *)(kp + (i * ts + 32 * j) * 2)));
+                    }
+                } else
+#endif
+                {
+                    __m512 qv[MAX_HEAD_DIM / 16];
+                    for (int64_t j = 0; j < C; j++) qv[j] = load16(qh + (g * HD + 16 * j) * es, is_bf16);
+                    for (int i = 0; i < 16; i++) {
+                        v[i] = _mm512_setzero_ps();
+                        if (i < c)
+                            for (int64_t j = 0; j < C; j++)
+                                v[i] = _mm512_fmadd_ps(qv[j], load16(kp + (i * ts + 16 * j) * es, is_bf16), v[i]);
+                    }
+                }
+                __m512 x = hsum16(v);
+                if (is_bf16) x = round_bf16_v(x);
+                x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+                _mm512_storeu_ps(s + g * ns + t, x);
+            }
+            t += c;
+        }
+        /* pass 2: softmax per query head */
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = s + g * ns;
+            if (cap > 0.f)
+                for (int64_t t = 0; t < n; t++) sg[t] = cap * tanhf(sg[t] / cap);
+            __m512 mv = _mm512_set1_ps(-INFINITY);
+            int64_t t = 0;
+            for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+            const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
+            mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+            __m512 sum = _mm512_setzero_ps();
+            for (t = 0; t < n; t += 16) { /* the tail's lanes past n are computed, not summed */
+                const __mmask16 mk = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1u);
+                const __m512 e = exp_v(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+                sum = _mm512_mask_add_ps(sum, mk, sum, e);
+                _mm512_storeu_ps(sg + t, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+            for (t = 0; t < n; t += 16) {
+                __m512 p = _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv);
+                _mm512_storeu_ps(sg + t, is_bf16 ? round_bf16_v(p) : p);
+            }
+        }
+        /* pass 3: P @ V in float32 registers */
+        __m512 acc[MAX_GROUP * MAX_HEAD_DIM / 16];
+        for (int64_t i = 0; i < G * C; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n;) {
+            const int64_t pos = start + t, b = pos / bs, off = pos % bs;
+            const int64_t c = bs - off < n - t ? bs - off : n - t;
+            const char *vp = (const char *)a->v_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * es;
+            for (int64_t i = 0; i < c; i++, t++) {
+                __m512 vv[MAX_HEAD_DIM / 16];
+                for (int64_t j = 0; j < C; j++) vv[j] = load16(vp + (i * ts + 16 * j) * es, is_bf16);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(s[g * ns + t]);
+                    for (int64_t j = 0; j < C; j++) acc[g * C + j] = _mm512_fmadd_ps(p, vv[j], acc[g * C + j]);
+                }
+            }
+        }
+        char *op = (char *)a->out + (a->q_rows[r] * a->out_row_stride + h * G * HD) * es;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < C; j++) store16(op + (g * HD + 16 * j) * es, acc[g * C + j], is_bf16, 16);
+    }
+    return 0;
+}
+
+/* The specialized cases: head_dim 64 / 128, group 1-8, both dtypes. */
+#define CASE_G(G, HD)                                                                    \
+    case G:                                                                              \
+        return a->is_bf16 ? item_avx512(a, r, G, HD, 1) : item_avx512(a, r, G, HD, 0);
+
+#define SWITCH_G(HD)  \
+    switch (G) {      \
+        CASE_G(1, HD) \
+        CASE_G(2, HD) \
+        CASE_G(3, HD) \
+        CASE_G(4, HD) \
+        CASE_G(5, HD) \
+        CASE_G(6, HD) \
+        CASE_G(7, HD) \
+        CASE_G(8, HD) \
+        default: break; \
+    }
+#endif /* __AVX512F__ */
+
+static int item(const Args *a, int64_t r) {
+#if defined(__AVX512F__)
+    const int64_t G = a->num_heads / a->num_kv_heads;
+    if (a->head_dim == 64) { SWITCH_G(64) }
+    else if (a->head_dim == 128) { SWITCH_G(128) }
+#endif
+    return item_generic(a, r);
+}
+
+/* Entry point. q [T, H, D] (row stride q_row_stride elements, heads contiguous), caches [num_blocks, bs,
+ * Hkv, D] contiguous, out [T, H, D] like q (row stride out_row_stride), block_table [num_reqs, *] int32
+ * (row stride bt_row_stride), req_idx / q_rows / seq_lens [num_rows] int64. q, caches and out are all
+ * bfloat16 (is_bf16 = 1) or all float32. Writes out[q_rows[i]] for every row i.
+ * Returns 0; -1 when G > MAX_GROUP or head_dim > MAX_HEAD_DIM; -2 when the score buffer could not be
+ * allocated. */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           void *out, int64_t out_row_stride, const int32_t *block_table, int64_t bt_row_stride,
+                           const int64_t *req_idx, const int64_t *q_rows, const int64_t *seq_lens,
+                           int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t window, float scale, float cap, int is_bf16, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
+        head_dim > MAX_HEAD_DIM)
+        return -1;
+    const Args a = {q, k_cache, v_cache, out, block_table, req_idx, q_rows, seq_lens, q_row_stride,
+                    out_row_stride, bt_row_stride, num_heads, num_kv_heads, head_dim, block_size, window,
+                    scale, cap, is_bf16};
+    int rc = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(min : rc)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int e = item(&a, r);
+        rc = e < rc ? e : rc;
+    }
+    return rc;
+}
