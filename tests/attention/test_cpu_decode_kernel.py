@@ -17,6 +17,7 @@ from tokenmill.attention.backends.block_decode import block_decode_attention, pl
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.ops import cpu_decode
+from tokenmill.layers.ops import cpu_build
 
 POISON = 1e3  # finite junk in every slot no row owns: a leak would change the outputs a lot
 
@@ -177,8 +178,7 @@ def test_backend_routes_cpu_decodes_to_the_kernel(lib):
 
 def test_env_switch_turns_the_kernel_off(monkeypatch):
     """TOKENMILL_CPU_KERNELS=0: no kernel, and the backend's decodes take the PyTorch path, still correct."""
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_kernel", None)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     assert cpu_decode.load_kernel() is None
     seq_lens = [9, 20]
@@ -195,8 +195,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'fake compiler: error' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_kernel", None)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)

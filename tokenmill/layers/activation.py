@@ -4,8 +4,9 @@ Input `[..., 2 * d]` = `[gate | up]` (as MergedColumnParallelLinear lays it
 out per rank); output `[..., d]` = act(gate) * up.
 
 On CUDA each is one fused Triton kernel (tokenmill/layers/ops/
-triton_activation.py, same roundings); the PyTorch code is the CPU path and
-the reference.
+triton_activation.py, same roundings); on CPU SwiGLU is one C call
+(tokenmill/layers/ops/cpu_elementwise.py, same roundings) where the kernels
+build; the PyTorch code is the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.ops import use_fused_kernels
+from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
 
 # Dtypes of the fused kernels (others take the PyTorch path); spelled out so a
 # CPU import does not load triton through tokenmill.layers.ops.triton_numerics.
@@ -29,6 +30,8 @@ class SiluAndMul(nn.Module):
             from tokenmill.layers.ops.triton_activation import silu_and_mul
 
             return silu_and_mul(x)
+        if x.device.type == "cpu" and cpu_elementwise.supports(x) and (lib := cpu_elementwise.load()) is not None:
+            return cpu_elementwise.silu_and_mul(lib, x)
         return self.forward_torch(x)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:

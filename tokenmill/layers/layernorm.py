@@ -6,8 +6,9 @@ scales by (1 + w) in float32 before the cast (HF's GemmaRMSNorm), so its
 checkpoint weights are stored around 0.
 
 On CUDA, forward is one fused Triton kernel (tokenmill/layers/ops/
-triton_rms_norm.py, same roundings); the PyTorch code below is the CPU path
-and the reference.
+triton_rms_norm.py, same roundings); on CPU one C call (tokenmill/layers/
+ops/cpu_elementwise.py, same roundings) where the kernels build; the PyTorch
+code below is the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.ops import use_fused_kernels
+from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +32,8 @@ class RMSNorm(nn.Module):
         residual given -> x = x + residual; returns (normed x, x) so the
         decoder layer carries the sum as the next residual (as vLLM's fused
         add-RMSNorm; one pass over memory on GPU kernels that fuse it).
-        On CUDA one fused Triton launch (inputs not modified; outputs new
-        contiguous tensors), else `forward_torch`.
+        On CUDA one fused Triton launch, on CPU (float32/bfloat16) one C call
+        (inputs not modified; outputs new contiguous tensors), else `forward_torch`.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, gemma: bool = False) -> None:
@@ -62,6 +63,12 @@ class RMSNorm(nn.Module):
                     return ops.rms_norm(x, self.weight, self.eps, self.gemma)
                 if residual.shape == x.shape and residual.dtype == x.dtype:
                     return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+        elif (x.device.type == "cpu" and self.weight.dtype == x.dtype and cpu_elementwise.supports(x)
+              and (lib := cpu_elementwise.load()) is not None):
+            if residual is None:
+                return cpu_elementwise.rms_norm(lib, x, self.weight, self.eps, self.gemma)
+            if residual.shape == x.shape and residual.dtype == x.dtype and cpu_elementwise.supports(residual):
+                return cpu_elementwise.rms_norm(lib, x, self.weight, self.eps, self.gemma, residual)
         return self.forward_torch(x, residual)
 
     def forward_torch(

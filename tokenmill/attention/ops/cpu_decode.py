@@ -9,111 +9,35 @@ the CPU has it), and writes the result straight into the attention output.
 (SmolLM2-135M bfloat16, 64 decodes of ~180 keys, 2 threads: see
 docs/benchmarks.md, "CPU decode attention in C".)
 
-Build: the first `load_kernel()` compiles the source with the system C
-compiler (`$CC`, else `cc`, `gcc` or `clang`) and `-O3 -march=native
--fopenmp` into `$TOKENMILL_CACHE_DIR/kernels` (default
-`~/.cache/tokenmill/kernels`), named by a hash of the source, the flags, the
-compiler's version and this CPU's feature flags, so later processes load it
-at once (a build takes ~5-10 s). No compiler, a failed build, or
-`TOKENMILL_CPU_KERNELS=0` -> None, and the caller keeps the PyTorch path
-(logged once). The library links the libgomp that torch already loaded (the
-dynamic loader reuses a loaded soname), so `torch.set_num_threads` sets its
-thread count too.
+Built by `tokenmill.layers.ops.cpu_build` at the first `load_kernel()` (the
+system C compiler, cached per machine); no compiler, a failed build, or
+`TOKENMILL_CPU_KERNELS=0` -> None, and the caller keeps the PyTorch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.layers.ops.cpu_build import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 # The kernel's limits (MAX_GROUP, MAX_HEAD_DIM in the C source); other models keep the PyTorch path.
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
-_kernel: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "kernels"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (Linux), so a shared cache never hands a -march=native build to another CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(compiler: str) -> Path:
-    """Compile (or find) the library; returns its path. Raises OSError / subprocess errors on failure."""
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False,
-                             timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_decode_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target, then rename: processes building at once never load a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
 
 def load_kernel() -> ctypes.CDLL | None:
-    """The compiled library, built on the first call; None when unavailable (see the module docstring)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    _tried = True
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("No C compiler found: CPU decode attention uses the PyTorch path (slower).")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("Building the CPU decode-attention kernel failed; using the PyTorch path (slower). %s",
-                       str(detail).strip()[-500:])
-        return None
-    i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-    fn = lib.paged_decode_attention
-    fn.restype = c_int
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32,
-                   c_int, c_int]
-    _kernel = lib
-    logger.debug("CPU decode-attention kernel loaded from %s", lib._name)
+    """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
+    lib = load_library(_SOURCE)
+    if lib is not None and lib.paged_decode_attention.argtypes is None:
+        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        fn = lib.paged_decode_attention
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
+                       f32, c_int, c_int]
+        fn.restype = c_int
     return lib
 
 

@@ -1,0 +1,122 @@
+"""CPU C kernels for RMSNorm (+ residual add) and SiLU-and-mul vs their PyTorch reference (forward_torch).
+
+The kernels round where the reference rounds, so bfloat16 results agree to
+the bit except where a float32 sum is added in another order (a few elements
+in thousands move by one bfloat16 ulp); float32 agrees to ~1e-6. Without a C
+compiler these tests skip and the layers run their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.ops import cpu_build, cpu_elementwise
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_elementwise.load()
+    if lib is None:
+        pytest.skip("the CPU C kernels did not build here (no C compiler, or TOKENMILL_CPU_KERNELS=0)")
+    return lib
+
+
+def _norm(n: int, dtype: torch.dtype, gemma: bool, seed: int) -> RMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(n, eps=1e-5, gemma=gemma)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + (0.0 if gemma else 1.0)).to(dtype)
+    return norm
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.bfloat16:
+        # A float32 sum added in another order can move an element by one bfloat16 ulp (two after the
+        # weight's multiply), and does so in only a small share of the elements.
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-6)
+        assert (got != want).float().mean().item() < 0.01
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 100), (64, 576), (3, 5, 48), (300, 2048)])
+def test_rms_norm_matches_reference(lib, dtype, gemma, shape):
+    """Plain and with the residual add; widths that are and are not multiples of 16; 3-D input."""
+    norm = _norm(shape[-1], dtype, gemma, seed=len(shape) + shape[-1])
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    residual = torch.randn(shape, generator=g).to(dtype)
+    _close(norm(x), norm.forward_torch(x))
+    out, summed = norm(x, residual)
+    want_out, want_summed = norm.forward_torch(x, residual)
+    assert torch.equal(summed, want_summed)  # x + residual: one rounding, the same bits
+    _close(out, want_out)
+
+
+def test_rms_norm_reads_strided_rows(lib):
+    """A 2-D view with a row stride (e.g. a slice of a wider tensor) is read in place."""
+    norm = _norm(64, torch.bfloat16, False, seed=2)
+    wide = torch.randn(16, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x, residual = wide[:, :64], wide[:, 32:]
+    assert not x.is_contiguous()
+    _close(norm(x), norm.forward_torch(x))
+    out, summed = norm(x, residual)
+    want_out, want_summed = norm.forward_torch(x, residual)
+    assert torch.equal(summed, want_summed)
+    _close(out, want_out)
+
+
+def test_rms_norm_does_not_modify_inputs(lib):
+    norm = _norm(32, torch.float32, False, seed=4)
+    x, residual = torch.randn(4, 32), torch.randn(4, 32)
+    x0, r0 = x.clone(), residual.clone()
+    norm(x, residual)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+def test_rms_norm_rejects_a_weight_of_another_dtype(lib):
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_elementwise.rms_norm(lib, torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6, False)
+    # The layer itself falls back to PyTorch in that case, with the reference's result.
+    norm = RMSNorm(8)
+    norm.weight.data = norm.weight.data.bfloat16()
+    x = torch.randn(2, 8)
+    assert torch.equal(norm(x), norm.forward_torch(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 40), (64, 2 * 1536), (2, 3, 2 * 24)])
+def test_silu_and_mul_matches_reference(lib, dtype, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    x.view(-1)[:6] = torch.tensor([-200.0, -90.0, -20.0, 20.0, 90.0, 200.0], dtype=dtype)  # exp's far ends
+    act = SiluAndMul()
+    got, want = act(x), act.forward_torch(x)
+    assert torch.isfinite(got).all()
+    _close(got, want)
+
+
+def test_layers_route_cpu_tensors_to_the_kernels(lib, monkeypatch):
+    calls = []
+    real_norm, real_act = cpu_elementwise.rms_norm, cpu_elementwise.silu_and_mul
+    monkeypatch.setattr(cpu_elementwise, "rms_norm", lambda *a, **k: calls.append("norm") or real_norm(*a, **k))
+    monkeypatch.setattr(cpu_elementwise, "silu_and_mul", lambda *a: calls.append("act") or real_act(*a))
+    x = torch.randn(3, 16)
+    RMSNorm(16)(x)
+    RMSNorm(16)(x, x)
+    SiluAndMul()(torch.randn(3, 32))
+    SiluAndMul()(torch.randn(3, 32, dtype=torch.float64))  # not a kernel dtype: PyTorch
+    assert calls == ["norm", "norm", "act"]
+
+
+def test_env_switch_keeps_the_pytorch_path(monkeypatch):
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    assert cpu_elementwise.load() is None
+    norm = _norm(48, torch.bfloat16, False, seed=6)
+    x = torch.randn(4, 48).bfloat16()
+    assert torch.equal(norm(x), norm.forward_torch(x))

@@ -1,0 +1,102 @@
+"""Build and load tokenmill's C kernels for the CPU (decode attention, RMSNorm, gated activations).
+
+Each kernel is one C source beside its Python wrapper. `load_library(source)`
+compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
+and `-O3 -march=native -fopenmp` into `$TOKENMILL_CACHE_DIR/kernels`
+(default `~/.cache/tokenmill/kernels`), named by a hash of the source, the
+flags, the compiler's version and this CPU's feature flags, so later
+processes load the cached library at once (a build takes ~2-10 s). Builds go
+to a temporary file that is renamed into place, so processes that build at
+once never load a partial file.
+
+No compiler, a failed build, or env `TOKENMILL_CPU_KERNELS=0` -> None
+(logged once per source), and each caller keeps its PyTorch path. The
+libraries link the libgomp that torch already loaded (the dynamic loader
+reuses a loaded soname), so `torch.set_num_threads` sets their thread count too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+# source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), so a shared cache never hands a -march=native build to another CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(source: Path, compiler: str) -> Path:
+    """Compile (or find) the library of `source`; returns its path. Raises OSError / subprocess errors."""
+    text = source.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False,
+                             timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=300)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """The compiled library of the C file `source`, built on the first call; None when unavailable.
+
+    The answer is cached per process: a failed build is not retried.
+    """
+    if source in _loaded:
+        return _loaded[source]
+    _loaded[source] = None
+    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("No C compiler found: %s runs as PyTorch ops (slower).", source.stem)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(source, compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("Building the CPU kernel %s failed; using PyTorch ops (slower). %s", source.name,
+                       str(detail).strip()[-500:])
+        return None
+    logger.debug("CPU kernel %s loaded from %s", source.stem, lib._name)
+    _loaded[source] = lib
+    return lib

@@ -1,0 +1,191 @@
+/* RMSNorm (with the residual add) and SiLU-and-mul on CPU, one pass each (called by cpu_elementwise.py).
+ *
+ * Their PyTorch code (tokenmill/layers/layernorm.py, activation.py) is the
+ * reference, and these loops round where it rounds, so the results are the
+ * same bits except where a float32 sum is added up in another order:
+ *
+ *   add + RMSNorm (Zhang & Sennrich 2019), activation dtype T:
+ *     s = T(x + residual)                          -> residual_out
+ *     y = T(s * 1 / sqrt(mean(s^2) + eps))         (float32 mean)
+ *     out = T(w * y)            (gemma: out = T(s / sqrt(...) * (1 + w)), one rounding)
+ *   SiLU-and-mul (Shazeer 2020): out = T(T(g / (1 + e^-g)) * u), [g | u] = x
+ *
+ * T(.) rounds float32 to bfloat16 (nearest even) for bfloat16 tensors and is
+ * the identity for float32. e^x is a vector polynomial: x = n ln2 + r
+ * (Cody-Waite, ln2 in two parts), e^r by its degree-7 Taylor polynomial
+ * (relative error < 1e-8 for |r| <= ln2 / 2), times 2^n; it saturates to
+ * inf above 88.7 and to 0 below -104. Rows are shared by OpenMP threads
+ * (torch's libgomp) when a call has at least PARALLEL_MIN elements.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define PARALLEL_MIN 32768
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float load1(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Store x at p[i]; returns the stored value as float (rounded for bfloat16). */
+static inline float store1(void *p, int64_t i, float x, int is_bf16) {
+    if (is_bf16) {
+        const uint16_t b = f32_to_bf16(x);
+        ((uint16_t *)p)[i] = b;
+        return bf16_to_f32(b);
+    }
+    ((float *)p)[i] = x;
+    return x;
+}
+
+#if defined(__AVX512F__)
+static inline __mmask16 tail_mask(int64_t left) {
+    return (__mmask16)(left >= 16 ? 0xffff : ((1u << left) - 1u));
+}
+
+static inline __m512 load16(const void *p, int64_t i, int is_bf16, __mmask16 m) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+static inline __m512 round_bf16_v(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* Store the lanes of m at p[i] (bfloat16: rounded); returns the stored values as float32. */
+static inline __m512 store16(void *p, int64_t i, __m512 x, int is_bf16, __mmask16 m) {
+    if (is_bf16) {
+        x = round_bf16_v(x);
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+        return x;
+    }
+    _mm512_mask_storeu_ps((float *)p + i, m, x);
+    return x;
+}
+
+static inline __m512 exp_v(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* One row of add + RMSNorm; residual may be NULL (then s = x and residual_out is not written). */
+static void rms_norm_row(const void *x, const void *residual, void *residual_out, void *out, const void *weight,
+                         int64_t cols, float eps, int gemma, int is_bf16) {
+#if defined(__AVX512F__)
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < cols; i += 16) {
+        const __mmask16 m = tail_mask(cols - i);
+        __m512 s = load16(x, i, is_bf16, m);
+        if (residual != NULL)
+            s = store16(residual_out, i, _mm512_add_ps(s, load16(residual, i, is_bf16, m)), is_bf16, m);
+        sq = _mm512_fmadd_ps(s, s, sq);
+    }
+    const float inv = 1.f / sqrtf(_mm512_reduce_add_ps(sq) / (float)cols + eps);
+    const void *src = residual != NULL ? residual_out : x;
+    for (int64_t i = 0; i < cols; i += 16) {
+        const __mmask16 m = tail_mask(cols - i);
+        const __m512 y = _mm512_mul_ps(load16(src, i, is_bf16, m), _mm512_set1_ps(inv));
+        const __m512 w = load16(weight, i, is_bf16, m);
+        if (gemma) {
+            store16(out, i, _mm512_mul_ps(y, _mm512_add_ps(w, _mm512_set1_ps(1.f))), is_bf16, m);
+        } else {
+            const __m512 yr = is_bf16 ? round_bf16_v(y) : y;
+            store16(out, i, _mm512_mul_ps(w, yr), is_bf16, m);
+        }
+    }
+#else
+    float sq = 0.f;
+    for (int64_t i = 0; i < cols; i++) {
+        float s = load1(x, i, is_bf16);
+        if (residual != NULL) s = store1(residual_out, i, s + load1(residual, i, is_bf16), is_bf16);
+        sq += s * s;
+    }
+    const float inv = 1.f / sqrtf(sq / (float)cols + eps);
+    const void *src = residual != NULL ? residual_out : x;
+    for (int64_t i = 0; i < cols; i++) {
+        const float y = load1(src, i, is_bf16) * inv, w = load1(weight, i, is_bf16);
+        if (gemma) {
+            store1(out, i, y * (w + 1.f), is_bf16);
+        } else {
+            const float yr = is_bf16 ? bf16_to_f32(f32_to_bf16(y)) : y;
+            store1(out, i, w * yr, is_bf16);
+        }
+    }
+#endif
+}
+
+/* x [rows, cols] (row stride x_stride elements), residual / residual_out / out [rows, cols] with their own
+ * row strides (residual NULL: plain RMSNorm), weight [cols] in the same dtype. All bfloat16 or all float32. */
+void rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride, void *residual_out,
+              int64_t res_out_stride, void *out, int64_t out_stride, const void *weight, int64_t rows, int64_t cols,
+              float eps, int gemma, int is_bf16, int num_threads) {
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row((const char *)x + r * x_stride * es,
+                     residual != NULL ? (const char *)residual + r * res_stride * es : NULL,
+                     residual != NULL ? (char *)residual_out + r * res_out_stride * es : NULL,
+                     (char *)out + r * out_stride * es, weight, cols, eps, gemma, is_bf16);
+}
+
+/* x [rows, 2d] = [gate | up] (row stride x_stride elements), out [rows, d] (row stride out_stride). */
+void silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
+                  int is_bf16, int num_threads) {
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * d >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *g = (const char *)x + r * x_stride * es, *u = g + d * es;
+        char *o = (char *)out + r * out_stride * es;
+#if defined(__AVX512F__)
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = tail_mask(d - i);
+            const __m512 gv = load16(g, i, is_bf16, m);
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            if (is_bf16) s = round_bf16_v(s);
+            store16(o, i, _mm512_mul_ps(s, load16(u, i, is_bf16, m)), is_bf16, m);
+        }
+#else
+        for (int64_t i = 0; i < d; i++) {
+            const float gv = load1(g, i, is_bf16);
+            float s = gv / (1.f + expf(-gv));
+            if (is_bf16) s = bf16_to_f32(f32_to_bf16(s));
+            store1(o, i, s * load1(u, i, is_bf16), is_bf16);
+        }
+#endif
+    }
+}

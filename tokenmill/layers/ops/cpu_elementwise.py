@@ -1,0 +1,93 @@
+"""RMSNorm (+ residual add) and SiLU-and-mul on CPU in C (`cpu_elementwise.c`): one call instead of 2-10 ops.
+
+On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
+add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
+one more pass over memory; a decode step of a 30-layer model runs ~60 norms
+and 30 activations. These C loops make one pass each, with the reference's
+roundings (see the C file), so the layers' outputs stay the same bits up to
+float32 summation order.
+
+Built by `cpu_build` (system C compiler, cached per machine); without it,
+or with `TOKENMILL_CPU_KERNELS=0`, `load()` returns None and the layers keep
+their PyTorch path. Float32 and bfloat16 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tokenmill.layers.ops.cpu_build import load_library
+
+_SOURCE = Path(__file__).with_name("cpu_elementwise.c")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
+    lib = load_library(_SOURCE)
+    if lib is not None and lib.silu_and_mul.argtypes is None:
+        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, c_int, c_int, c_int]
+        lib.rms_norm.restype = None
+        lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int, c_int]
+        lib.silu_and_mul.restype = None
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    """True for a CPU float32/bfloat16 tensor of >= 1 dim whose last dim is contiguous and whose leading dims
+    flatten to one row stride (the kernels' layout)."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    if x.dim() <= 2:
+        return True
+    # [..., n]: the leading dims must be one strided run of rows.
+    return x.is_contiguous()
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride in elements) of x seen as [rows, x.shape[-1]]."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return rows, (x.stride(0) if x.dim() == 2 else x.shape[-1])
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [..., n] (float32/bfloat16, see `supports`) with weight [n] of x's dtype.
+
+    residual None -> the normed x, a new contiguous tensor of x's shape and dtype.
+    residual [..., n] like x -> (normed x + residual, x + residual), both new tensors (`RMSNorm.forward`).
+    Raises ValueError when weight or residual does not match x.
+    """
+    n = x.shape[-1]
+    if weight.dtype != x.dtype or weight.shape != (n,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be [{n}] {x.dtype}, contiguous; got {tuple(weight.shape)} {weight.dtype}")
+    rows, x_stride = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is None:
+        if rows:
+            lib.rms_norm(x.data_ptr(), x_stride, None, 0, None, 0, out.data_ptr(), n, weight.data_ptr(), rows, n,
+                         eps, int(gemma), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        return out
+    if residual.shape != x.shape or residual.dtype != x.dtype or not supports(residual):
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with a contiguous last dim")
+    summed = torch.empty(x.shape, dtype=x.dtype)
+    if rows:
+        lib.rms_norm(x.data_ptr(), x_stride, residual.data_ptr(), _rows(residual)[1], summed.data_ptr(), n,
+                     out.data_ptr(), n, weight.data_ptr(), rows, n, eps, int(gemma),
+                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out, summed
+
+
+def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d] (float32/bfloat16, see `supports`); returns [..., d]."""
+    d = x.shape[-1] // 2
+    rows, x_stride = _rows(x)
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    if rows and d:
+        lib.silu_and_mul(x.data_ptr(), x_stride, out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16),
+                         torch.get_num_threads())
+    return out
