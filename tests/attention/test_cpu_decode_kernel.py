@@ -9,6 +9,8 @@ engine runs the PyTorch path (`block_decode`, tested in test_block_decode.py).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -24,9 +26,15 @@ POISON = 1e3  # finite junk in every slot no row owns: a leak would change the o
 
 @pytest.fixture(scope="module")
 def lib():
+    """The kernel; skips only without a C compiler or with TOKENMILL_CPU_KERNELS=0. A compiler that
+    fails on the source fails the tests (with its error) instead of skipping them."""
+    compiler = cpu_build._compiler()
+    if compiler is None or os.environ.get(cpu_build.CPU_KERNELS_ENV, "1") == "0":
+        pytest.skip("no C compiler here, or TOKENMILL_CPU_KERNELS=0: the engine runs block_decode")
     lib = cpu_decode.load_kernel()
     if lib is None:
-        pytest.skip("the C decode kernel did not build here (no C compiler, or TOKENMILL_CPU_KERNELS=0)")
+        cpu_build._build(cpu_decode._SOURCE, compiler)  # raises the compiler's error
+        pytest.fail("the kernel built but did not load")
     return lib
 
 
@@ -120,6 +128,61 @@ def test_bfloat16_matches_reference_and_block_decode(lib, head_dim):
                                atol=1e-2, rtol=1e-2)
 
 
+def _round_bf16_reference(query, cache, table, seq_lens, scale):
+    """float64, rounding where the kernel says it rounds: q.k to bfloat16, probabilities to bfloat16."""
+    block_size, num_kv_heads = cache.shape[2], cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        kv = cache[:, table[i].long()[pos // block_size], pos % block_size].double()
+        k, v = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", query[i].double(), k).float().bfloat16().float() * scale
+        p = s.softmax(-1).bfloat16().double()
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+def test_bfloat16_rounds_where_it_says(lib):
+    """Within a few bfloat16 ulps of a reference that rounds at the documented points, and measurably
+    farther from one that does not (so dropping a rounding would show)."""
+    table, cache = _batch(SEQ_LENS, 2, 64, 16, torch.bfloat16, seed=20)
+    query = (torch.randn(len(SEQ_LENS), 8, 64, generator=torch.Generator().manual_seed(21)) * 3).bfloat16()
+    out = _run(lib, query, cache, table, SEQ_LENS, 0.125).double()
+    near = (out - _round_bf16_reference(query, cache, table, SEQ_LENS, 0.125)).abs().max().item()
+    far = (out - _reference(query, cache, table, SEQ_LENS, 0.125)).abs().max().item()
+    assert near < 0.02 and near < far / 2, (near, far)
+
+
+def test_strided_queries_and_permuted_rows(lib):
+    """Queries as row-strided views of a fused qkv output; decode i reads block-table row req_idx[i]
+    (not i) and its query/output row q_rows[i], as in a step that mixes prefills and decodes."""
+    seq_lens = [40, 7, 90, 23]
+    table, cache = _batch(seq_lens, 3, 64, 16, torch.float32, seed=22)
+    num_heads, width = 9, (9 + 2 * 3) * 64
+    qkv = torch.randn(10, width, generator=torch.Generator().manual_seed(23))
+    query = qkv[:, : num_heads * 64].view(10, num_heads, 64)
+    assert query.stride(0) == width
+    perm = torch.tensor([2, 0, 3, 1])  # decode i uses table row perm[i]
+    rows = torch.tensor([9, 3, 5, 0])
+    lens = [seq_lens[j] for j in perm.tolist()]
+    out = torch.full((10, num_heads, 64), 7.0)
+    cpu_decode.paged_decode_attention(lib, query, cache, table, perm, rows, torch.tensor(lens), 0.125, out)
+    ref = _reference(query[rows], cache, table[perm], lens, 0.125)
+    torch.testing.assert_close(out[rows].double(), ref, atol=2e-6, rtol=1e-5)
+    others = torch.tensor([1, 2, 4, 6, 7, 8])
+    assert torch.equal(out[others], torch.full_like(out[others], 7.0))
+
+
+def test_nan_keys_propagate(lib):
+    """A NaN key makes its row's output NaN on every path (a corrupted cache must not go unnoticed)."""
+    for head_dim in (64, 96):  # vector path, plain-C path
+        table, cache = _batch([20], 1, head_dim, 16, torch.float32, seed=24)
+        cache[0, table[0, 0], 5] = float("nan")
+        out = _run(lib, torch.randn(1, 2, head_dim), cache, table, [20], 0.125)
+        assert torch.isnan(out).all(), head_dim
+
+
 def test_far_below_max_scores_underflow_to_zero(lib):
     """Scores thousands below the row max give weight 0 (exp underflow), never NaN."""
     table, cache = _batch(SEQ_LENS, 2, 64, 16, torch.float32, seed=7)
@@ -146,7 +209,7 @@ def test_rejects_shapes_above_its_limits(lib):
     table, cache = _batch([5], 1, 8, 16, torch.float32, seed=11)
     query = torch.randn(1, cpu_decode.MAX_GROUP + 1, 8)
     assert not cpu_decode.kernel_supports(query, cache)
-    with pytest.raises(ValueError, match="above its limits"):
+    with pytest.raises(ValueError, match="limits"):
         _run(lib, query, cache, table, [5], 1.0)
     with pytest.raises(ValueError, match="contiguous heads"):
         _run(lib, query[:, :1], cache, table, [5], 1.0, out=torch.empty(1, 8, 1))
@@ -159,6 +222,21 @@ def _decode_metadata(table, seq_lens):
     # The new tokens are already in the cache; slot -1 keeps forward() from writing them again.
     return AttentionMetadata(n, n, 1, int(sl.max()), torch.from_numpy(qsl), torch.from_numpy(sl), table,
                              torch.full((n,), -1, dtype=torch.int64), qsl, sl)
+
+
+def test_backend_mixed_step_with_fused_qkv(lib):
+    """One step: a prefill chunk between decodes, q/k/v split from one fused buffer; kernel == PyTorch path."""
+    from tests.attention.test_torch_sdpa import _make_batch
+
+    md, cache, key, value, _, _ = _make_batch([30, 0, 50, 9], [1, 12, 1, 1], 16, 2, 64, 16, seed=25)
+    t = md.num_actual_tokens
+    qkv = torch.randn(t, (8 + 4) * 64, generator=torch.Generator().manual_seed(26))
+    query = qkv[:, : 8 * 64].view(t, 8, 64)
+    for window in (None, 8):
+        got = TorchSDPABackend().forward(query, key, value, cache.clone(), md, scale=0.125, sliding_window=window)
+        want = TorchSDPABackend(use_cpu_kernel=False).forward(query, key, value, cache.clone(), md, scale=0.125,
+                                                              sliding_window=window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_routes_cpu_decodes_to_the_kernel(lib):

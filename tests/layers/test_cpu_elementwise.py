@@ -120,3 +120,33 @@ def test_env_switch_keeps_the_pytorch_path(monkeypatch):
     norm = _norm(48, torch.bfloat16, False, seed=6)
     x = torch.randn(4, 48).bfloat16()
     assert torch.equal(norm(x), norm.forward_torch(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 40])
+def test_rope_is_bit_identical_to_the_reference(lib, dtype, head_size):
+    """q and k as row-strided views of one fused qkv output (the models' case) and as contiguous 3-D tensors."""
+    from tokenmill.layers.rotary import get_rope
+
+    rope = get_rope(head_size, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    g = torch.Generator().manual_seed(7)
+    num_tokens, nq, nk = 9, 6, 2
+    qkv = (torch.randn(num_tokens, (nq + 2 * nk) * head_size, generator=g) * 3).to(dtype)
+    q, k, _ = qkv.split([nq * head_size, nk * head_size, nk * head_size], dim=-1)
+    positions = torch.tensor([0, 1, 2, 7, 100, 1000, 4095, 3, 3])
+    got_q, got_k = rope(positions, q, k)
+    want_q, want_k = rope.forward_torch(positions, q, k)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    q3, k3 = q.reshape(num_tokens, nq, head_size), k.reshape(num_tokens, nk, head_size)
+    got_q, got_k = rope(positions, q3, k3)
+    assert got_q.shape == q3.shape and torch.equal(got_q, want_q.view(q3.shape))
+    assert torch.equal(got_k, want_k.view(k3.shape))
+
+
+def test_rope_rejects_a_position_past_the_table(lib):
+    from tokenmill.layers.rotary import get_rope
+
+    rope = get_rope(16, 32, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k = torch.randn(2, 32), torch.randn(2, 16)
+    with pytest.raises(IndexError, match="outside"):
+        rope(torch.tensor([3, 32]), q, k)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.ops import use_fused_kernels
+from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -107,8 +107,9 @@ class RotaryEmbedding(nn.Module):
     forward(positions [T] int64, query [T, nh * head_size], key [T, nkv * head_size])
     -> (query, key) of the same shapes and dtype.
     On CUDA one fused Triton launch for q and k (bit-identical; q/k may be
-    row-strided views of the fused qkv output); on CPU `forward_cpu` (neox
-    style, whole head rotating); else `forward_torch`.
+    row-strided views of the fused qkv output); on CPU (neox style, whole
+    head rotating) one C call (`cpu_elementwise.rotary_neox`, bit-identical)
+    where the kernels build, else `forward_cpu`; otherwise `forward_torch`.
     """
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict[str, Any],
@@ -146,6 +147,9 @@ class RotaryEmbedding(nn.Module):
                 return ops.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
                                             self.rotary_dim, self.is_neox_style)
         if query.device.type == "cpu" and self.is_neox_style and self.rotary_dim == self.head_size:
+            if (key.dtype == query.dtype and cpu_elementwise.supports(query) and cpu_elementwise.supports(key)
+                    and self.cos_cache.dtype == torch.float32 and (lib := cpu_elementwise.load()) is not None):
+                return cpu_elementwise.rotary_neox(lib, positions, query, key, self.cos_cache, self.sin_cache)
             return self.forward_cpu(positions, query, key)
         return self.forward_torch(positions, query, key)
 

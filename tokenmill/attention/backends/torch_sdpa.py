@@ -83,6 +83,7 @@ class _Group:
 class _Plan:
     md: AttentionMetadata  # kept alive so identity comparison is safe
     window: int | None
+    with_kernel: bool = False  # decodes go to the C kernel (part of the plan's key, with the window)
     decodes: list[_Group] = field(default_factory=list)  # decode rows grouped by length
     prefills: list[_Group] = field(default_factory=list)
     # CPU float32/bfloat16: all decode rows read block by block from the cache (replaces `decodes`).
@@ -200,7 +201,7 @@ class TorchSDPABackend:
         if self._plans and self._plans[0].md is not md:
             self._plans = []  # a new step
         for plan in self._plans:
-            if plan.window == window:
+            if plan.window == window and plan.with_kernel == with_kernel:
                 return plan
         plan = self._make_plan(md, window, block_size, device, from_cache, with_kernel)
         self._plans.append(plan)
@@ -211,7 +212,7 @@ class TorchSDPABackend:
         qsl, seq_lens = md.query_start_loc_cpu.astype(np.int64), md.seq_lens_cpu.astype(np.int64)
         num_reqs = md.num_reqs
         query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        plan = _Plan(md, window)
+        plan = _Plan(md, window, with_kernel)
         decodes = np.flatnonzero(query_lens == 1)
         if len(decodes) and from_cache and with_kernel:
             plan.decode_reqs = torch.from_numpy(decodes.astype(np.int64))

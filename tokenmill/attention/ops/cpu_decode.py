@@ -81,13 +81,19 @@ def paged_decode_attention(
         cap: Gemma-2 soft-capping of the scores, cap * tanh(s / cap); None = off.
 
     Raises:
-        ValueError: the kernel rejected the shapes (see `kernel_supports`), or the score
-            buffer could not be allocated.
+        ValueError: tensors the kernel does not take (`kernel_supports`, `out`'s layout,
+            index arrays of different lengths), or the score buffer could not be allocated.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if not (out.dtype == query.dtype and out.stride(2) == 1 and out.stride(1) == head_dim):
         raise ValueError(f"out must be {query.dtype} with contiguous heads, got {out.dtype} {tuple(out.stride())}")
+    if not (req_idx.shape == q_rows.shape == seq_lens.shape and req_idx.dim() == 1):
+        raise ValueError(f"req_idx, q_rows and seq_lens must be [B] alike, got {tuple(req_idx.shape)}, "
+                         f"{tuple(q_rows.shape)}, {tuple(seq_lens.shape)}")
+    if not kernel_supports(query, kv_cache) or out.device.type != "cpu":
+        raise ValueError("CPU decode kernel: query/cache/out must be CPU tensors of one float32/bfloat16 dtype, "
+                         "a contiguous cache, contiguous heads, and shapes within its limits (kernel_supports)")
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     if table.stride(1) != 1:
         table = table.contiguous()

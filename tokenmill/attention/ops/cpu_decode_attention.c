@@ -4,16 +4,18 @@
  * [start, seq_len), read where they lie in the cache [num_blocks, block_size,
  * num_kv_heads, head_dim] through the row's block table (start > 0 only with
  * a sliding window W: start = seq_len - W, HF's mask). One work item is one
- * row; its KV heads are visited in turn, and the G = H / Hkv query heads of a
- * KV head share every key and value load. Per KV head, two passes:
+ * (row, KV head) pair; the G = H / Hkv query heads of the KV head share each
+ * value load and each key's trip from memory (pass 1 re-reads a 16-key chunk
+ * from L1 per query head). Per item:
  *
  *   scores:  s[g][t] = scale * (q_g . k_t)        (soft-capped: cap * tanh(s / cap))
  *   softmax: p[g][t] = exp(s[g][t] - max_t s[g]) / sum_t exp(...)   (float32)
  *   values:  o_g = sum_t p[g][t] * v_t            (float32 accumulators)
  *
  * With bfloat16 the dot products are rounded to bfloat16 before the scale and
- * the probabilities are rounded to bfloat16 before P @ V, where HF's eager
- * attention rounds them (q @ k^T and softmax(...).to(bf16) in bf16); the
+ * the probabilities are rounded to bfloat16 before P @ V, as HF's eager
+ * attention rounds q @ k^T and softmax(...).to(bf16) (the scale and soft-cap
+ * are applied in float32, as in block_decode; HF rounds those too); the
  * output is rounded to the query's dtype and written into the caller's
  * attention output at the row's token index.
  *
@@ -24,18 +26,21 @@
  * instead of 16 separate horizontal sums). exp is a vector polynomial: the
  * argument is split as x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, with ln2 in
  * two parts), e^r by its degree-7 Taylor polynomial (relative error < 1e-8
- * there), then scaled by 2^n. Exponents below -87 give 0, as in block_decode.
- * Without AVX-512 the same passes run as plain loops.
+ * there), then scaled by 2^n. Exponents below -87 give 0, as in block_decode;
+ * NaN stays NaN.
+ * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
- * Threads: the rows are shared by an OpenMP loop; cpu_decode.py links the
- * libgomp that torch already loaded, so torch.set_num_threads governs both.
+ * Threads: the (row, KV head) items are shared by an OpenMP loop; with GCC the
+ * library links libgomp.so.1, which the dynamic loader resolves to the one
+ * torch already loaded (pip's x86 torch ships that soname), so
+ * torch.set_num_threads governs both.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TM_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -87,7 +92,7 @@ static float *scratch(int64_t n) {
 
 /* ---- plain-C passes (any CPU; also the fallback for shapes the vector path does not take) ---- */
 
-static int item_generic(const Args *a, int64_t r) {
+static int item_generic(const Args *a, int64_t r, int64_t h) {
     const int64_t G = a->num_heads / a->num_kv_heads, hd = a->head_dim, bs = a->block_size;
     const int64_t ts = a->num_kv_heads * hd;
     const int64_t seq_len = a->seq_lens[r];
@@ -97,7 +102,7 @@ static int item_generic(const Args *a, int64_t r) {
     float *s = scratch(G * n);
     if (s == NULL) return -2;
     float q[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-    for (int64_t h = 0; h < a->num_kv_heads; h++) {
+    {
         const int64_t qoff = a->q_rows[r] * a->q_row_stride + h * G * hd;
         for (int64_t i = 0; i < G * hd; i++)
             q[i] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[qoff + i]) : ((const float *)a->q)[qoff + i];
@@ -144,7 +149,7 @@ static int item_generic(const Args *a, int64_t r) {
     return 0;
 }
 
-#if defined(__AVX512F__)
+#if defined(TM_AVX512)
 /* ---- AVX-512 passes ---------------------------------------------------------------------- */
 
 /* 16 elements at p (bfloat16 or float32) as float32. */
@@ -177,8 +182,9 @@ static inline void store16(void *p, __m512 x, const int is_bf16, int c) {
 
 /* e^x per lane for x <= 0 (softmax exponents); x < -87 gives 0. See the file comment. */
 static inline __m512 exp_v(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    /* NaN: kept (unordered -> not-less-than is true), and max_ps returns its second operand, x */
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -208,7 +214,7 @@ static inline __m512 hsum16(const __m512 v[16]) {
 }
 
 /* One row, G query heads per KV head and head_dim HD fixed at compile time (loops unroll). */
-static inline __attribute__((always_inline)) int item_avx512(const Args *a, int64_t r, const int64_t G,
+static inline __attribute__((always_inline)) int item_avx512(const Args *a, int64_t r, int64_t h, const int64_t G,
                                                                const int64_t HD, const int is_bf16) {
     const int64_t C = HD / 16; /* 16-lane chunks per head vector */
     const int64_t es = is_bf16 ? 2 : 4;
@@ -221,7 +227,7 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
     float *s = scratch(G * (n + 16));
     if (s == NULL) return -2;
     const int64_t ns = n + 16; /* score row stride: room for a whole last chunk */
-    for (int64_t h = 0; h < a->num_kv_heads; h++) {
+    {
         const char *qh = (const char *)a->q + (a->q_rows[r] * a->q_row_stride + h * G * HD) * es;
         /* pass 1: scores, 16 keys at a time, block by block (no division per key) */
         for (int64_t t = 0; t < n;) {
@@ -312,7 +318,7 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
 /* The specialized cases: head_dim 64 / 128, group 1-8, both dtypes. */
 #define CASE_G(G, HD)                                                                    \
     case G:                                                                              \
-        return a->is_bf16 ? item_avx512(a, r, G, HD, 1) : item_avx512(a, r, G, HD, 0);
+        return a->is_bf16 ? item_avx512(a, r, h, G, HD, 1) : item_avx512(a, r, h, G, HD, 0);
 
 #define SWITCH_G(HD)  \
     switch (G) {      \
@@ -326,15 +332,15 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
         CASE_G(8, HD) \
         default: break; \
     }
-#endif /* __AVX512F__ */
+#endif /* TM_AVX512 */
 
-static int item(const Args *a, int64_t r) {
-#if defined(__AVX512F__)
+static int item(const Args *a, int64_t r, int64_t h) {
+#if defined(TM_AVX512)
     const int64_t G = a->num_heads / a->num_kv_heads;
     if (a->head_dim == 64) { SWITCH_G(64) }
     else if (a->head_dim == 128) { SWITCH_G(128) }
 #endif
-    return item_generic(a, r);
+    return item_generic(a, r, h);
 }
 
 /* Entry point. q [T, H, D] (row stride q_row_stride elements, heads contiguous), caches [num_blocks, bs,
@@ -356,8 +362,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                     scale, cap, is_bf16};
     int rc = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(min : rc)
-    for (int64_t r = 0; r < num_rows; r++) {
-        const int e = item(&a, r);
+    for (int64_t i = 0; i < num_rows * num_kv_heads; i++) {
+        const int e = item(&a, i / num_kv_heads, i % num_kv_heads);
         rc = e < rc ? e : rc;
     }
     return rc;

@@ -2,7 +2,7 @@
 
 Each kernel is one C source beside its Python wrapper. `load_library(source)`
 compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
-and `-O3 -march=native -fopenmp` into `$TOKENMILL_CACHE_DIR/kernels`
+and `-O3 -march=native -fopenmp -ffp-contract=off` into `$TOKENMILL_CACHE_DIR/kernels`
 (default `~/.cache/tokenmill/kernels`), named by a hash of the source, the
 flags, the compiler's version and this CPU's feature flags, so later
 processes load the cached library at once (a build takes ~2-10 s). Builds go
@@ -29,7 +29,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# -ffp-contract=off: GCC would otherwise fuse a * b + c written with separate intrinsics into one FMA,
+# skipping the rounding of a * b that the PyTorch reference does (the kernels call fmadd where they mean it).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 
 # source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
 _loaded: dict[Path, ctypes.CDLL | None] = {}
@@ -53,11 +55,17 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _build(source: Path, compiler: str) -> Path:
     """Compile (or find) the library of `source`; returns its path. Raises OSError / subprocess errors."""
     text = source.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False,
-                             timeout=30).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, encoding="utf-8", errors="replace",
+                             check=False, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
@@ -68,7 +76,9 @@ def _build(source: Path, compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=300)
+                       encoding="utf-8", errors="replace", timeout=300)
+        # mkstemp made it 0600: other users sharing TOKENMILL_CACHE_DIR must be able to load it.
+        os.chmod(tmp, 0o755 & ~_umask())
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -1,4 +1,4 @@
-/* RMSNorm (with the residual add) and SiLU-and-mul on CPU, one pass each (called by cpu_elementwise.py).
+/* RMSNorm (with the residual add), SiLU-and-mul and RoPE on CPU, one pass each (called by cpu_elementwise.py).
  *
  * Their PyTorch code (tokenmill/layers/layernorm.py, activation.py) is the
  * reference, and these loops round where it rounds, so the results are the
@@ -9,6 +9,8 @@
  *     y = T(s * 1 / sqrt(mean(s^2) + eps))         (float32 mean)
  *     out = T(w * y)            (gemma: out = T(s / sqrt(...) * (1 + w)), one rounding)
  *   SiLU-and-mul (Shazeer 2020): out = T(T(g / (1 + e^-g)) * u), [g | u] = x
+ *   RoPE, neox style (Su et al. 2021; rotary.py forward_torch), c = T(cos), s = T(sin) of the position:
+ *     out[:h] = T(T(x1 * c) - T(x2 * s)),  out[h:] = T(T(x2 * c) + T(x1 * s)),  [x1 | x2] = a head
  *
  * T(.) rounds float32 to bfloat16 (nearest even) for bfloat16 tensors and is
  * the identity for float32. e^x is a vector polynomial: x = n ln2 + r
@@ -18,9 +20,9 @@
  * (torch's libgomp) when a call has at least PARALLEL_MIN elements.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TM_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -54,7 +56,7 @@ static inline float store1(void *p, int64_t i, float x, int is_bf16) {
     return x;
 }
 
-#if defined(__AVX512F__)
+#if defined(TM_AVX512)
 static inline __mmask16 tail_mask(int64_t left) {
     return (__mmask16)(left >= 16 ? 0xffff : ((1u << left) - 1u));
 }
@@ -86,7 +88,7 @@ static inline __m512 store16(void *p, int64_t i, __m512 x, int is_bf16, __mmask1
 }
 
 static inline __m512 exp_v(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x)); /* NaN passes through */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -106,7 +108,7 @@ static inline __m512 exp_v(__m512 x) {
 /* One row of add + RMSNorm; residual may be NULL (then s = x and residual_out is not written). */
 static void rms_norm_row(const void *x, const void *residual, void *residual_out, void *out, const void *weight,
                          int64_t cols, float eps, int gemma, int is_bf16) {
-#if defined(__AVX512F__)
+#if defined(TM_AVX512)
     __m512 sq = _mm512_setzero_ps();
     for (int64_t i = 0; i < cols; i += 16) {
         const __mmask16 m = tail_mask(cols - i);
@@ -171,7 +173,7 @@ void silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)x + r * x_stride * es, *u = g + d * es;
         char *o = (char *)out + r * out_stride * es;
-#if defined(__AVX512F__)
+#if defined(TM_AVX512)
         for (int64_t i = 0; i < d; i += 16) {
             const __mmask16 m = tail_mask(d - i);
             const __m512 gv = load16(g, i, is_bf16, m);
@@ -188,4 +190,69 @@ void silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride
         }
 #endif
     }
+}
+
+/* One head of neox-style RoPE: x [2h] -> out [2h] with the position's cos / sin rows [h] (float32). */
+static inline void rope_head(const void *x, void *out, const float *cos, const float *sin, int64_t h, int is_bf16) {
+#if defined(TM_AVX512)
+    for (int64_t i = 0; i < h; i += 16) {
+        const __mmask16 m = tail_mask(h - i);
+        __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
+        if (is_bf16) {
+            c = round_bf16_v(c);
+            s = round_bf16_v(s);
+        }
+        const __m512 x1 = load16(x, i, is_bf16, m), x2 = load16(x, i + h, is_bf16, m);
+        __m512 a = _mm512_mul_ps(x1, c), b = _mm512_mul_ps(x2, s);
+        __m512 d = _mm512_mul_ps(x2, c), e = _mm512_mul_ps(x1, s);
+        if (is_bf16) {
+            a = round_bf16_v(a);
+            b = round_bf16_v(b);
+            d = round_bf16_v(d);
+            e = round_bf16_v(e);
+        }
+        store16(out, i, _mm512_sub_ps(a, b), is_bf16, m);
+        store16(out, i + h, _mm512_add_ps(d, e), is_bf16, m);
+    }
+#else
+    for (int64_t i = 0; i < h; i++) {
+        float c = cos[i], s = sin[i];
+        if (is_bf16) {
+            c = bf16_to_f32(f32_to_bf16(c));
+            s = bf16_to_f32(f32_to_bf16(s));
+        }
+        const float x1 = load1(x, i, is_bf16), x2 = load1(x, i + h, is_bf16);
+        float a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
+        if (is_bf16) {
+            a = bf16_to_f32(f32_to_bf16(a));
+            b = bf16_to_f32(f32_to_bf16(b));
+            d = bf16_to_f32(f32_to_bf16(d));
+            e = bf16_to_f32(f32_to_bf16(e));
+        }
+        store1(out, i, a - b, is_bf16);
+        store1(out, i + h, d + e, is_bf16);
+    }
+#endif
+}
+
+/* q [T, nq * 2h] and k [T, nk * 2h] (row strides in elements, heads contiguous) -> q_out, k_out contiguous.
+ * cos_cache / sin_cache [max_position, h] float32; positions [T] int64.
+ * Returns 0, or -1 (nothing written) when a position is outside [0, max_position). */
+int rotary_neox(const int64_t *positions, const void *q, int64_t q_stride, int64_t nq, const void *k,
+                int64_t k_stride, int64_t nk, const float *cos_cache, const float *sin_cache, int64_t h,
+                int64_t max_position, void *q_out, void *k_out, int64_t num_tokens, int is_bf16, int num_threads) {
+    const int64_t es = is_bf16 ? 2 : 4, d = 2 * h;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens * (nq + nk) * d >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos_cache + positions[t] * h, *s = sin_cache + positions[t] * h;
+        for (int64_t j = 0; j < nq; j++)
+            rope_head((const char *)q + (t * q_stride + j * d) * es, (char *)q_out + (t * nq + j) * d * es, c, s, h,
+                      is_bf16);
+        for (int64_t j = 0; j < nk; j++)
+            rope_head((const char *)k + (t * k_stride + j * d) * es, (char *)k_out + (t * nk + j) * d * es, c, s, h,
+                      is_bf16);
+    }
+    return 0;
 }

@@ -1,9 +1,9 @@
-"""RMSNorm (+ residual add) and SiLU-and-mul on CPU in C (`cpu_elementwise.c`): one call instead of 2-10 ops.
+"""RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU in C (`cpu_elementwise.c`): one call instead of 2-10 ops.
 
 On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
-one more pass over memory; a decode step of a 30-layer model runs ~60 norms
-and 30 activations. These C loops make one pass each, with the reference's
+one more pass over memory; a decode step of a 30-layer model runs ~60 norms,
+30 activations and 30 RoPEs. These C loops make one pass each, with the reference's
 roundings (see the C file), so the layers' outputs stay the same bits up to
 float32 summation order.
 
@@ -34,6 +34,9 @@ def load() -> ctypes.CDLL | None:
         lib.rms_norm.restype = None
         lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int, c_int]
         lib.silu_and_mul.restype = None
+        lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
+                                    c_int]
+        lib.rotary_neox.restype = c_int
     return lib
 
 
@@ -91,3 +94,32 @@ def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
         lib.silu_and_mul(x.data_ptr(), x_stride, out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16),
                          torch.get_num_threads())
     return out
+
+
+def rotary_neox(lib: ctypes.CDLL, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE of every head (rotary_dim == head_size): `RotaryEmbedding.forward_torch`'s result.
+
+    positions [T] int64; query [T, nq * d] / key [T, nk * d] (2-D, last dim contiguous,
+    any row stride) or contiguous [T, n, d], float32/bfloat16, same dtype;
+    cos_cache / sin_cache [max_position, d / 2] float32, contiguous. Returns new
+    contiguous (query, key) shaped like the inputs.
+
+    Raises:
+        IndexError: a position is outside [0, max_position) (as index_select would).
+    """
+    num_tokens, half = positions.shape[0], cos_cache.shape[1]
+    d = 2 * half
+    q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
+    if num_tokens:
+        positions = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
+            positions.to(torch.int64).contiguous()
+        nq, nk = query.numel() // (num_tokens * d), key.numel() // (num_tokens * d)
+        # stride(0) is the per-token stride of [T, n * d] and of a contiguous [T, n, d] alike.
+        rc = lib.rotary_neox(positions.data_ptr(), query.data_ptr(), query.stride(0), nq, key.data_ptr(),
+                             key.stride(0), nk, cos_cache.data_ptr(), sin_cache.data_ptr(), half, cos_cache.shape[0],
+                             q_out.data_ptr(), k_out.data_ptr(), num_tokens, int(query.dtype == torch.bfloat16),
+                             torch.get_num_threads())
+        if rc != 0:
+            raise IndexError(f"RoPE: a position is outside [0, {cos_cache.shape[0]}) (the model's max_position)")
+    return q_out, k_out
