@@ -2,13 +2,15 @@
 
 `--batch` requests of `--prompt-len` random token ids are added to an
 `LLMEngine` (SmolLM2-135M-Instruct by default, prefix caching off); the
-prefill steps run unprofiled, then `--steps` decode steps with the whole
+prefill steps run unprofiled (their total time is printed; it includes the
+first steps' warm-up), then `--steps` decode steps with the whole
 batch are timed one by one (wall clock), and `--profile-steps` more run
 under `torch.profiler`, whose self-CPU time per op and input shape is
 printed per step (the profiler inflates small ops; read it for shares, the
 timed steps for speed).
 
     PYTHONPATH=. python benchmarks/cpu_decode_profile.py --dtype bfloat16 --batch 64 --threads 2
+    TOKENMILL_CPU_KERNELS=0 PYTHONPATH=. python benchmarks/cpu_decode_profile.py ...   # without the C kernels
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps, ignore_eos=True, temperature=0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(100, 30000, args.prompt_len).tolist()}, params)
+    t0 = time.perf_counter()
     while engine.get_stats().num_running_reqs < args.batch or engine.get_stats().num_waiting_reqs:
         engine.step()  # prefills
+    prefill_s = time.perf_counter() - t0
     engine.step()  # the first decode step (sets up the step's buffers)
     def full_step() -> None:
         stats = engine.get_stats()
@@ -67,7 +71,9 @@ def main() -> None:
     ms = np.array(times) * 1e3
     print(f"{args.dtype}, batch {args.batch}, prompts of {args.prompt_len}, {torch.get_num_threads()} threads, "
           f"block size {args.block_size}: decode step median {np.median(ms):.1f} ms "
-          f"(p10 {np.percentile(ms, 10):.1f}, p90 {np.percentile(ms, 90):.1f}, {len(ms)} steps)")
+          f"(p10 {np.percentile(ms, 10):.1f}, p90 {np.percentile(ms, 90):.1f}, {len(ms)} steps); "
+          f"prefill of {args.batch} x {args.prompt_len} tokens {prefill_s:.2f} s "
+          f"({args.batch * args.prompt_len / prefill_s:.0f} tok/s, the first of them warms up)")
     if args.profile_steps:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(args.profile_steps):
