@@ -225,7 +225,8 @@ def _decode_metadata(table, seq_lens):
 
 
 def test_backend_mixed_step_with_fused_qkv(lib):
-    """One step: a prefill chunk between decodes, q/k/v split from one fused buffer; kernel == PyTorch path."""
+    """One step: a prefill chunk between decodes, queries as a strided view of a wider buffer (as the
+    fused qkv split gives them); kernel == PyTorch path."""
     from tests.attention.test_torch_sdpa import _make_batch
 
     md, cache, key, value, _, _ = _make_batch([30, 0, 50, 9], [1, 12, 1, 1], 16, 2, 64, 16, seed=25)
@@ -279,3 +280,24 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
     assert cpu_decode.load_kernel() is None
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+
+
+def test_plain_c_path_without_avx512(monkeypatch, tmp_path):
+    """The source built for a CPU without AVX-512 (x86-64-v3) runs its plain-C loops, also right."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
+        pytest.skip("needs an x86-64 C compiler")
+    monkeypatch.setattr(cpu_build, "FLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
+                                                  for f in cpu_build.FLAGS))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
+    plain = cpu_decode.load_kernel()
+    assert plain is not None
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        table, cache = _batch(SEQ_LENS, 3, 64, 16, dtype, seed=30)
+        query = torch.randn(len(SEQ_LENS), 9, 64, generator=torch.Generator().manual_seed(31)).to(dtype)
+        out = _run(plain, query, cache, table, SEQ_LENS, 0.125, window=40)
+        ref = _reference(query, cache, table, SEQ_LENS, 0.125, window=40)
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

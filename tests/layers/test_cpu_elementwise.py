@@ -8,6 +8,8 @@ compiler these tests skip and the layers run their PyTorch path.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,9 +20,15 @@ from tokenmill.layers.ops import cpu_build, cpu_elementwise
 
 @pytest.fixture(scope="module")
 def lib():
+    """The kernels; skips only without a C compiler or with TOKENMILL_CPU_KERNELS=0. A compiler that
+    fails on the source fails the tests (with its error) instead of skipping them."""
+    compiler = cpu_build._compiler()
+    if compiler is None or os.environ.get(cpu_build.CPU_KERNELS_ENV, "1") == "0":
+        pytest.skip("no C compiler here, or TOKENMILL_CPU_KERNELS=0: the layers run their PyTorch code")
     lib = cpu_elementwise.load()
     if lib is None:
-        pytest.skip("the CPU C kernels did not build here (no C compiler, or TOKENMILL_CPU_KERNELS=0)")
+        cpu_build._build(cpu_elementwise._SOURCE, compiler)  # raises the compiler's error
+        pytest.fail("the kernels built but did not load")
     return lib
 
 
@@ -110,7 +118,14 @@ def test_layers_route_cpu_tensors_to_the_kernels(lib, monkeypatch):
     RMSNorm(16)(x, x)
     SiluAndMul()(torch.randn(3, 32))
     SiluAndMul()(torch.randn(3, 32, dtype=torch.float64))  # not a kernel dtype: PyTorch
-    assert calls == ["norm", "norm", "act"]
+    real_rope = cpu_elementwise.rotary_neox
+    monkeypatch.setattr(cpu_elementwise, "rotary_neox", lambda *a: calls.append("rope") or real_rope(*a))
+    from tokenmill.layers.rotary import get_rope
+
+    rope = get_rope(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    rope(torch.tensor([1, 2, 3]), torch.randn(3, 32), torch.randn(3, 16))
+    rope(torch.tensor([1, 2, 3]), torch.randn(6, 16), torch.randn(6, 16))  # rows != positions: forward_cpu
+    assert calls == ["norm", "norm", "act", "rope"]
 
 
 def test_env_switch_keeps_the_pytorch_path(monkeypatch):
@@ -137,7 +152,8 @@ def test_rope_is_bit_identical_to_the_reference(lib, dtype, head_size):
     got_q, got_k = rope(positions, q, k)
     want_q, want_k = rope.forward_torch(positions, q, k)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    q3, k3 = q.reshape(num_tokens, nq, head_size), k.reshape(num_tokens, nk, head_size)
+    q3, k3 = q.reshape(num_tokens, nq, head_size).contiguous(), k.reshape(num_tokens, nk, head_size).contiguous()
+    assert cpu_elementwise.rope_supports(positions, q3, k3, rope.cos_cache, rope.sin_cache)
     got_q, got_k = rope(positions, q3, k3)
     assert got_q.shape == q3.shape and torch.equal(got_q, want_q.view(q3.shape))
     assert torch.equal(got_k, want_k.view(k3.shape))
@@ -150,3 +166,43 @@ def test_rope_rejects_a_position_past_the_table(lib):
     q, k = torch.randn(2, 32), torch.randn(2, 16)
     with pytest.raises(IndexError, match="outside"):
         rope(torch.tensor([3, 32]), q, k)
+
+
+def test_wrappers_reject_layouts_they_do_not_take(lib):
+    with pytest.raises(ValueError, match="even last dim"):
+        cpu_elementwise.silu_and_mul(lib, torch.randn(2, 7))
+    with pytest.raises(ValueError, match="layout"):
+        cpu_elementwise.rms_norm(lib, torch.randn(4, 3, 8).transpose(0, 1), torch.ones(8), 1e-6, False)
+    rope_cos, rope_sin = torch.randn(10, 4), torch.randn(10, 4)
+    with pytest.raises(ValueError, match="layouts"):  # 3 rows for 4 positions
+        cpu_elementwise.rotary_neox(lib, torch.arange(4), torch.randn(3, 16), torch.randn(3, 8), rope_cos, rope_sin)
+
+
+def test_plain_c_path_without_avx512(monkeypatch, tmp_path):
+    """The same source built for a CPU without AVX-512 (x86-64-v3) runs its plain-C loops, also right."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
+        pytest.skip("needs an x86-64 C compiler")
+    monkeypatch.setattr(cpu_build, "FLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
+                                                  for f in cpu_build.FLAGS))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
+    plain = cpu_elementwise.load()
+    assert plain is not None
+    norm = _norm(100, torch.bfloat16, False, seed=8)
+    x, residual = torch.randn(5, 100).bfloat16(), torch.randn(5, 100).bfloat16()
+    out, summed = cpu_elementwise.rms_norm(plain, x, norm.weight, norm.eps, False, residual)
+    want_out, want_summed = norm.forward_torch(x, residual)
+    assert torch.equal(summed, want_summed)
+    _close(out, want_out)
+    gate_up = (torch.randn(4, 2 * 40) * 4).bfloat16()
+    assert torch.equal(cpu_elementwise.silu_and_mul(plain, gate_up), SiluAndMul().forward_torch(gate_up))
+    from tokenmill.layers.rotary import get_rope
+
+    rope = get_rope(40, 128, {"rope_type": "default", "rope_theta": 10000.0})
+    pos, q, k = torch.tensor([0, 5, 127]), torch.randn(3, 80).bfloat16(), torch.randn(3, 40).bfloat16()
+    got = cpu_elementwise.rotary_neox(plain, pos, q, k, rope.cos_cache, rope.sin_cache)
+    want = rope.forward_torch(pos, q, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -30,7 +30,8 @@ class SiluAndMul(nn.Module):
             from tokenmill.layers.ops.triton_activation import silu_and_mul
 
             return silu_and_mul(x)
-        if x.device.type == "cpu" and cpu_elementwise.supports(x) and (lib := cpu_elementwise.load()) is not None:
+        if (x.device.type == "cpu" and cpu_elementwise.supports(x) and x.shape[-1] % 2 == 0
+                and (lib := cpu_elementwise.load()) is not None):
             return cpu_elementwise.silu_and_mul(lib, x)
         return self.forward_torch(x)
 

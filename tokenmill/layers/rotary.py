@@ -147,8 +147,8 @@ class RotaryEmbedding(nn.Module):
                 return ops.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
                                             self.rotary_dim, self.is_neox_style)
         if query.device.type == "cpu" and self.is_neox_style and self.rotary_dim == self.head_size:
-            if (key.dtype == query.dtype and cpu_elementwise.supports(query) and cpu_elementwise.supports(key)
-                    and self.cos_cache.dtype == torch.float32 and (lib := cpu_elementwise.load()) is not None):
+            if (cpu_elementwise.rope_supports(positions, query, key, self.cos_cache, self.sin_cache)
+                    and (lib := cpu_elementwise.load()) is not None):
                 return cpu_elementwise.rotary_neox(lib, positions, query, key, self.cos_cache, self.sin_cache)
             return self.forward_cpu(positions, query, key)
         return self.forward_torch(positions, query, key)

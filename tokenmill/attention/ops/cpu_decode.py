@@ -29,16 +29,17 @@ MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    fn = lib.paged_decode_attention
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32,
+                   c_int, c_int]
+    fn.restype = c_int
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
-    lib = load_library(_SOURCE)
-    if lib is not None and lib.paged_decode_attention.argtypes is None:
-        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-        fn = lib.paged_decode_attention
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
-                       f32, c_int, c_int]
-        fn.restype = c_int
-    return lib
+    return load_library(_SOURCE, _configure)
 
 
 def kernel_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -91,7 +92,7 @@ def paged_decode_attention(
     if not (req_idx.shape == q_rows.shape == seq_lens.shape and req_idx.dim() == 1):
         raise ValueError(f"req_idx, q_rows and seq_lens must be [B] alike, got {tuple(req_idx.shape)}, "
                          f"{tuple(q_rows.shape)}, {tuple(seq_lens.shape)}")
-    if not kernel_supports(query, kv_cache) or out.device.type != "cpu":
+    if not kernel_supports(query, kv_cache) or out.device.type != "cpu" or block_table.device.type != "cpu":
         raise ValueError("CPU decode kernel: query/cache/out must be CPU tensors of one float32/bfloat16 dtype, "
                          "a contiguous cache, contiguous heads, and shapes within its limits (kernel_supports)")
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)

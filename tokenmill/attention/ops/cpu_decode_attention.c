@@ -36,6 +36,7 @@
  * torch.set_num_threads governs both.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,7 +167,9 @@ static inline __m512 round_bf16_v(__m512 x) {
     __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, x);
+    /* NaN: its top half, made quiet (as f32_to_bf16) */
+    const __m512 quiet = _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, quiet);
 }
 
 /* Store the first c lanes of x at p as bfloat16 (x already rounded) or float32. */

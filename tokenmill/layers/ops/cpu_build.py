@@ -7,7 +7,10 @@ and `-O3 -march=native -fopenmp -ffp-contract=off` into `$TOKENMILL_CACHE_DIR/ke
 flags, the compiler's version and this CPU's feature flags, so later
 processes load the cached library at once (a build takes ~2-10 s). Builds go
 to a temporary file that is renamed into place, so processes that build at
-once never load a partial file.
+once never load a partial file. A cached library is loaded only when this
+user owns it (another user's file in a shared cache is rebuilt under a
+per-user name instead: loading it would run their code); one that fails to
+load is rebuilt once.
 
 No compiler, a failed build, or env `TOKENMILL_CPU_KERNELS=0` -> None
 (logged once per source), and each caller keeps its PyTorch path. The
@@ -24,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-sha
 
 # source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
 _loaded: dict[Path, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -55,12 +61,6 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _build(source: Path, compiler: str) -> Path:
     """Compile (or find) the library of `source`; returns its path. Raises OSError / subprocess errors."""
     text = source.read_bytes()
@@ -69,6 +69,8 @@ def _build(source: Path, compiler: str) -> Path:
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists() and hasattr(os, "getuid") and target.stat().st_uid != os.getuid():
+        target = target.with_name(f"{source.stem}-{key}-uid{os.getuid()}.so")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,8 +79,7 @@ def _build(source: Path, compiler: str) -> Path:
     try:
         subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
                        encoding="utf-8", errors="replace", timeout=300)
-        # mkstemp made it 0600: other users sharing TOKENMILL_CACHE_DIR must be able to load it.
-        os.chmod(tmp, 0o755 & ~_umask())
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -86,14 +87,23 @@ def _build(source: Path, compiler: str) -> Path:
     return target
 
 
-def load_library(source: Path) -> ctypes.CDLL | None:
+def load_library(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """The compiled library of the C file `source`, built on the first call; None when unavailable.
 
-    The answer is cached per process: a failed build is not retried.
+    `configure(lib)` sets the functions' ctypes signatures before any other
+    thread can see the library. The answer is cached per process: a failed
+    build is not retried.
     """
-    if source in _loaded:
+    lib = _loaded.get(source, False)
+    if lib is not False:
+        return lib
+    with _lock:
+        if source not in _loaded:
+            _loaded[source] = _load(source, configure)
         return _loaded[source]
-    _loaded[source] = None
+
+
+def _load(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
         return None
     compiler = _compiler()
@@ -101,12 +111,17 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         logger.info("No C compiler found: %s runs as PyTorch ops (slower).", source.stem)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(source, compiler)))
+        path = _build(source, compiler)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged cached file: build it again
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(_build(source, compiler)))
+        configure(lib)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         logger.warning("Building the CPU kernel %s failed; using PyTorch ops (slower). %s", source.name,
                        str(detail).strip()[-500:])
         return None
     logger.debug("CPU kernel %s loaded from %s", source.stem, lib._name)
-    _loaded[source] = lib
     return lib

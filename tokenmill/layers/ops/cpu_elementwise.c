@@ -1,8 +1,10 @@
 /* RMSNorm (with the residual add), SiLU-and-mul and RoPE on CPU, one pass each (called by cpu_elementwise.py).
  *
- * Their PyTorch code (tokenmill/layers/layernorm.py, activation.py) is the
- * reference, and these loops round where it rounds, so the results are the
- * same bits except where a float32 sum is added up in another order:
+ * Their PyTorch code (tokenmill/layers/layernorm.py, activation.py, rotary.py)
+ * is the reference, and these loops round where it rounds: bfloat16 results
+ * are its bits except where RMSNorm's float32 sum of squares, added in another
+ * order, moves one by an ulp; float32 ones differ in the last bits (sum order,
+ * the polynomial exp). NaN payloads may differ:
  *
  *   add + RMSNorm (Zhang & Sennrich 2019), activation dtype T:
  *     s = T(x + residual)                          -> residual_out
@@ -20,6 +22,7 @@
  * (torch's libgomp) when a call has at least PARALLEL_MIN elements.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TM_AVX512 1
@@ -73,7 +76,9 @@ static inline __m512 round_bf16_v(__m512 x) {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    /* NaN: its top half, made quiet (as f32_to_bf16) */
+    const __m512 quiet = _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet);
 }
 
 /* Store the lanes of m at p[i] (bfloat16: rounded); returns the stored values as float32. */

@@ -4,8 +4,10 @@ On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
 one more pass over memory; a decode step of a 30-layer model runs ~60 norms,
 30 activations and 30 RoPEs. These C loops make one pass each, with the reference's
-roundings (see the C file), so the layers' outputs stay the same bits up to
-float32 summation order.
+roundings (see the C file): in bfloat16 the outputs are the reference's bits
+except where RMSNorm's float32 sum of squares, added in another order, moves
+an element by one ulp; in float32 they differ in the last bits (the sum
+order, SiLU's polynomial exp: up to ~4 ulps). NaN payloads may differ.
 
 Built by `cpu_build` (system C compiler, cached per machine); without it,
 or with `TOKENMILL_CPU_KERNELS=0`, `load()` returns None and the layers keep
@@ -25,19 +27,19 @@ _SOURCE = Path(__file__).with_name("cpu_elementwise.c")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, c_int, c_int, c_int]
+    lib.rms_norm.restype = None
+    lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int, c_int]
+    lib.silu_and_mul.restype = None
+    lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
+    lib.rotary_neox.restype = c_int
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
-    lib = load_library(_SOURCE)
-    if lib is not None and lib.silu_and_mul.argtypes is None:
-        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-        lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, c_int, c_int, c_int]
-        lib.rms_norm.restype = None
-        lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int, c_int]
-        lib.silu_and_mul.restype = None
-        lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
-                                    c_int]
-        lib.rotary_neox.restype = c_int
-    return lib
+    return load_library(_SOURCE, _configure)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -62,14 +64,18 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     """RMSNorm of x [..., n] (float32/bfloat16, see `supports`) with weight [n] of x's dtype.
 
     residual None -> the normed x, a new contiguous tensor of x's shape and dtype.
-    residual [..., n] like x -> (normed x + residual, x + residual), both new tensors (`RMSNorm.forward`).
-    Raises ValueError when weight or residual does not match x.
+    residual [..., n] like x -> (RMSNorm(x + residual), x + residual), both new tensors (`RMSNorm.forward`).
+
+    Raises:
+        ValueError: x, weight or residual is not a layout the kernel takes (`supports`, weight [n] of x's dtype).
     """
+    if not supports(x):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} {x.device} is not a layout the kernel takes")
     n = x.shape[-1]
     if weight.dtype != x.dtype or weight.shape != (n,) or not weight.is_contiguous():
         raise ValueError(f"weight must be [{n}] {x.dtype}, contiguous; got {tuple(weight.shape)} {weight.dtype}")
     rows, x_stride = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
     if residual is None:
         if rows:
             lib.rms_norm(x.data_ptr(), x_stride, None, 0, None, 0, out.data_ptr(), n, weight.data_ptr(), rows, n,
@@ -77,7 +83,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         return out
     if residual.shape != x.shape or residual.dtype != x.dtype or not supports(residual):
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with a contiguous last dim")
-    summed = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype, device="cpu")
     if rows:
         lib.rms_norm(x.data_ptr(), x_stride, residual.data_ptr(), _rows(residual)[1], summed.data_ptr(), n,
                      out.data_ptr(), n, weight.data_ptr(), rows, n, eps, int(gemma),
@@ -86,31 +92,60 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] for x [..., 2d] (float32/bfloat16, see `supports`); returns [..., d]."""
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d] (float32/bfloat16, see `supports`); returns [..., d].
+
+    Raises:
+        ValueError: x is not a layout the kernel takes, or its last dim is odd.
+    """
+    if not supports(x) or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: x {tuple(x.shape)} {x.dtype} {x.device} needs an even last dim and a "
+                         "layout the kernel takes")
     d = x.shape[-1] // 2
     rows, x_stride = _rows(x)
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device="cpu")
     if rows and d:
         lib.silu_and_mul(x.data_ptr(), x_stride, out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16),
                          torch.get_num_threads())
     return out
 
 
+def rope_supports(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                  sin_cache: torch.Tensor) -> bool:
+    """True for the layouts `rotary_neox` takes (see there): one row per position, whole heads of d."""
+    d = 2 * cos_cache.shape[-1]
+    if positions.dim() != 1 or positions.device.type != "cpu" or key.dtype != query.dtype:
+        return False
+    if not (cos_cache.dtype == sin_cache.dtype == torch.float32 and cos_cache.is_contiguous()
+            and sin_cache.is_contiguous() and cos_cache.shape == sin_cache.shape and cos_cache.device.type == "cpu"):
+        return False
+    for x in (query, key):
+        if not supports(x) or x.shape[0] != positions.shape[0]:
+            return False
+        if not ((x.dim() == 2 and x.shape[1] % d == 0) or (x.dim() == 3 and x.shape[2] == d and x.is_contiguous())):
+            return False
+    return True
+
+
 def rotary_neox(lib: ctypes.CDLL, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE of every head (rotary_dim == head_size): `RotaryEmbedding.forward_torch`'s result.
 
-    positions [T] int64; query [T, nq * d] / key [T, nk * d] (2-D, last dim contiguous,
-    any row stride) or contiguous [T, n, d], float32/bfloat16, same dtype;
+    positions [T] int64 (CPU); query [T, nq * d] / key [T, nk * d] (2-D, last dim
+    contiguous, any row stride) or contiguous [T, n, d], float32/bfloat16, same dtype;
     cos_cache / sin_cache [max_position, d / 2] float32, contiguous. Returns new
     contiguous (query, key) shaped like the inputs.
 
     Raises:
+        ValueError: shapes or layouts other than these (`rope_supports`).
         IndexError: a position is outside [0, max_position) (as index_select would).
     """
+    if not rope_supports(positions, query, key, cos_cache, sin_cache):
+        raise ValueError(f"rotary_neox: positions {tuple(positions.shape)}, query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)}: not the [T], [T, n * d] / [T, n, d] layouts the kernel takes")
     num_tokens, half = positions.shape[0], cos_cache.shape[1]
     d = 2 * half
-    q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
+    q_out = torch.empty(query.shape, dtype=query.dtype, device="cpu")
+    k_out = torch.empty(key.shape, dtype=key.dtype, device="cpu")
     if num_tokens:
         positions = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
             positions.to(torch.int64).contiguous()
