@@ -73,6 +73,8 @@ def _build(source: Path, compiler: str) -> Path:
         target = target.with_name(f"{source.stem}-{key}-uid{os.getuid()}.so")
     if target.exists():
         return target
+    logger.info("Building the CPU kernel %s with %s (once per machine; cached in %s) ...", source.name, compiler,
+                target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -105,6 +107,7 @@ def load_library(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctyp
 
 def _load(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+        logger.info("%s=0: %s runs as PyTorch ops.", CPU_KERNELS_ENV, source.stem)
         return None
     compiler = _compiler()
     if compiler is None:
@@ -123,5 +126,5 @@ def _load(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL
         logger.warning("Building the CPU kernel %s failed; using PyTorch ops (slower). %s", source.name,
                        str(detail).strip()[-500:])
         return None
-    logger.debug("CPU kernel %s loaded from %s", source.stem, lib._name)
+    logger.info("CPU kernel %s: %s", source.stem, lib._name)
     return lib
