@@ -72,3 +72,39 @@ def gemma3_gguf() -> str:
         return str(pkg.assemble())
     except FileExistsError:  # a file left half-written by an interrupted run: write it again
         return str(pkg.assemble(overwrite=True))
+
+
+@pytest.fixture
+def plain_c_kernels(monkeypatch, tmp_path):
+    """The CPU C kernels rebuilt for an x86-64 CPU without AVX-512 (-march=x86-64-v3), so their plain-C
+    loops run: a fresh build cache in tmp_path, load_library's per-process answers cleared."""
+    import platform
+
+    from tokenmill.layers.ops import cpu_build
+
+    if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
+        pytest.skip("needs an x86-64 C compiler")
+    monkeypatch.setattr(cpu_build, "FLAGS", tuple("-march=x86-64-v3" if f == "-march=native" else f
+                                                  for f in cpu_build.FLAGS))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
+
+
+@pytest.fixture(scope="session")
+def require_cpu_kernel():
+    """require(load, source) -> load()'s library. Skips only without a C compiler or with
+    TOKENMILL_CPU_KERNELS=0; a compiler that fails on `source` fails the test with its error."""
+    from tokenmill.layers.ops import cpu_build
+
+    def require(load, source):
+        compiler = cpu_build._compiler()
+        if compiler is None or os.environ.get(cpu_build.CPU_KERNELS_ENV, "1") == "0":
+            pytest.skip("no C compiler here, or TOKENMILL_CPU_KERNELS=0: PyTorch code runs instead")
+        lib = load()
+        if lib is None:
+            cpu_build._build(source, compiler)  # raises the compiler's error
+            pytest.fail(f"{source.name} built but did not load")
+        return lib
+
+    return require

@@ -9,8 +9,6 @@ engine runs the PyTorch path (`block_decode`, tested in test_block_decode.py).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -25,17 +23,8 @@ POISON = 1e3  # finite junk in every slot no row owns: a leak would change the o
 
 
 @pytest.fixture(scope="module")
-def lib():
-    """The kernel; skips only without a C compiler or with TOKENMILL_CPU_KERNELS=0. A compiler that
-    fails on the source fails the tests (with its error) instead of skipping them."""
-    compiler = cpu_build._compiler()
-    if compiler is None or os.environ.get(cpu_build.CPU_KERNELS_ENV, "1") == "0":
-        pytest.skip("no C compiler here, or TOKENMILL_CPU_KERNELS=0: the engine runs block_decode")
-    lib = cpu_decode.load_kernel()
-    if lib is None:
-        cpu_build._build(cpu_decode._SOURCE, compiler)  # raises the compiler's error
-        pytest.fail("the kernel built but did not load")
-    return lib
+def lib(require_cpu_kernel):
+    return require_cpu_kernel(cpu_decode.load_kernel, cpu_decode._SOURCE)
 
 
 def _batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed, shared_prefix_blocks=0):
@@ -282,17 +271,8 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []
 
 
-def test_plain_c_path_without_avx512(monkeypatch, tmp_path):
+def test_plain_c_path_without_avx512(plain_c_kernels):
     """The source built for a CPU without AVX-512 (x86-64-v3) runs its plain-C loops, also right."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
-        pytest.skip("needs an x86-64 C compiler")
-    monkeypatch.setattr(cpu_build, "FLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
-                                                  for f in cpu_build.FLAGS))
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
     plain = cpu_decode.load_kernel()
     assert plain is not None
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):

@@ -8,8 +8,6 @@ compiler these tests skip and the layers run their PyTorch path.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,17 +17,8 @@ from tokenmill.layers.ops import cpu_build, cpu_elementwise
 
 
 @pytest.fixture(scope="module")
-def lib():
-    """The kernels; skips only without a C compiler or with TOKENMILL_CPU_KERNELS=0. A compiler that
-    fails on the source fails the tests (with its error) instead of skipping them."""
-    compiler = cpu_build._compiler()
-    if compiler is None or os.environ.get(cpu_build.CPU_KERNELS_ENV, "1") == "0":
-        pytest.skip("no C compiler here, or TOKENMILL_CPU_KERNELS=0: the layers run their PyTorch code")
-    lib = cpu_elementwise.load()
-    if lib is None:
-        cpu_build._build(cpu_elementwise._SOURCE, compiler)  # raises the compiler's error
-        pytest.fail("the kernels built but did not load")
-    return lib
+def lib(require_cpu_kernel):
+    return require_cpu_kernel(cpu_elementwise.load, cpu_elementwise._SOURCE)
 
 
 def _norm(n: int, dtype: torch.dtype, gemma: bool, seed: int) -> RMSNorm:
@@ -178,17 +167,8 @@ def test_wrappers_reject_layouts_they_do_not_take(lib):
         cpu_elementwise.rotary_neox(lib, torch.arange(4), torch.randn(3, 16), torch.randn(3, 8), rope_cos, rope_sin)
 
 
-def test_plain_c_path_without_avx512(monkeypatch, tmp_path):
+def test_plain_c_path_without_avx512(plain_c_kernels):
     """The same source built for a CPU without AVX-512 (x86-64-v3) runs its plain-C loops, also right."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
-        pytest.skip("needs an x86-64 C compiler")
-    monkeypatch.setattr(cpu_build, "FLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
-                                                  for f in cpu_build.FLAGS))
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKENMILL_CPU_KERNELS", raising=False)
     plain = cpu_elementwise.load()
     assert plain is not None
     norm = _norm(100, torch.bfloat16, False, seed=8)

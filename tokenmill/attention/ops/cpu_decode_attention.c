@@ -23,11 +23,8 @@
  * is a 16-lane partial sum (vdpbf16ps on bfloat16 pairs where the CPU has
  * AVX512-BF16, else float32 FMAs), and the 16 partial sums are reduced into
  * one vector of 16 scores by a transpose-and-add tree (45 shuffles and adds
- * instead of 16 separate horizontal sums). exp is a vector polynomial: the
- * argument is split as x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, with ln2 in
- * two parts), e^r by its degree-7 Taylor polynomial (relative error < 1e-8
- * there), then scaled by 2^n. Exponents below -87 give 0, as in block_decode;
- * NaN stays NaN.
+ * instead of 16 separate horizontal sums). exp is cpu_simd.h's vector
+ * polynomial; exponents below -87 give 0, as in block_decode; NaN stays NaN.
  * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
  * Threads: the (row, KV head) items are shared by an OpenMP loop; with GCC the
@@ -35,15 +32,9 @@
  * torch already loaded (pip's x86 torch ships that soname), so
  * torch.set_num_threads governs both.
  */
-#include <math.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define TM_AVX512 1
-#include <immintrin.h>
-#endif
+
+#include "cpu_simd.h" /* tokenmill/layers/ops/ (cpu_build passes -I) */
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -59,24 +50,6 @@ typedef struct {
     float scale, cap;
     int is_bf16;
 } Args;
-
-/* ---- scalar helpers ---------------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-/* bfloat16 bits of x, round to nearest even; NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float x) {
-    union { uint32_t u; float f; } v;
-    v.f = x;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 /* Per-thread score buffer, grown on demand (never freed: one per OpenMP thread). */
 static float *scratch(int64_t n) {
@@ -154,53 +127,13 @@ static int item_generic(const Args *a, int64_t r, int64_t h) {
 /* ---- AVX-512 passes ---------------------------------------------------------------------- */
 
 /* 16 elements at p (bfloat16 or float32) as float32. */
-static inline __m512 load16(const void *p, const int is_bf16) {
-    if (is_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    return _mm512_loadu_ps(p);
-}
+static inline __m512 load16_full(const void *p, const int is_bf16) { return load16(p, 0, is_bf16, 0xffff); }
 
-/* Round each lane to bfloat16 precision (nearest even), NaN kept. */
-static inline __m512 round_bf16_v(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    /* NaN: its top half, made quiet (as f32_to_bf16) */
-    const __m512 quiet = _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
-    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, quiet);
-}
-
-/* Store the first c lanes of x at p as bfloat16 (x already rounded) or float32. */
-static inline void store16(void *p, __m512 x, const int is_bf16, int c) {
-    const __mmask16 m = (__mmask16)((c >= 16) ? 0xffff : ((1u << c) - 1u));
-    if (is_bf16) {
-        const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_v(x)), 16));
-        _mm256_mask_storeu_epi16(p, m, b);
-    } else {
-        _mm512_mask_storeu_ps(p, m, x);
-    }
-}
-
-/* e^x per lane for x <= 0 (softmax exponents); x < -87 gives 0. See the file comment. */
-static inline __m512 exp_v(__m512 x) {
-    /* NaN: kept (unordered -> not-less-than is true), and max_ps returns its second operand, x */
+/* e^x per lane for softmax exponents; x < -87 gives 0, NaN stays NaN. See the file comment. */
+static inline __m512 exp_softmax(__m512 x) {
+    /* unordered -> not-less-than is true: NaN lanes are kept */
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps(keep, exp_v(x));
 }
 
 /* out[i] = sum of the 16 lanes of v[i], for i < 16 (transpose-and-add tree). */
@@ -256,12 +189,12 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
 #endif
                 {
                     __m512 qv[MAX_HEAD_DIM / 16];
-                    for (int64_t j = 0; j < C; j++) qv[j] = load16(qh + (g * HD + 16 * j) * es, is_bf16);
+                    for (int64_t j = 0; j < C; j++) qv[j] = load16_full(qh + (g * HD + 16 * j) * es, is_bf16);
                     for (int i = 0; i < 16; i++) {
                         v[i] = _mm512_setzero_ps();
                         if (i < c)
                             for (int64_t j = 0; j < C; j++)
-                                v[i] = _mm512_fmadd_ps(qv[j], load16(kp + (i * ts + 16 * j) * es, is_bf16), v[i]);
+                                v[i] = _mm512_fmadd_ps(qv[j], load16_full(kp + (i * ts + 16 * j) * es, is_bf16), v[i]);
                     }
                 }
                 __m512 x = hsum16(v);
@@ -285,7 +218,7 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
             __m512 sum = _mm512_setzero_ps();
             for (t = 0; t < n; t += 16) { /* the tail's lanes past n are computed, not summed */
                 const __mmask16 mk = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1u);
-                const __m512 e = exp_v(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+                const __m512 e = exp_softmax(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
                 sum = _mm512_mask_add_ps(sum, mk, sum, e);
                 _mm512_storeu_ps(sg + t, e);
             }
@@ -304,7 +237,7 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
             const char *vp = (const char *)a->v_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * es;
             for (int64_t i = 0; i < c; i++, t++) {
                 __m512 vv[MAX_HEAD_DIM / 16];
-                for (int64_t j = 0; j < C; j++) vv[j] = load16(vp + (i * ts + 16 * j) * es, is_bf16);
+                for (int64_t j = 0; j < C; j++) vv[j] = load16_full(vp + (i * ts + 16 * j) * es, is_bf16);
                 for (int64_t g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(s[g * ns + t]);
                     for (int64_t j = 0; j < C; j++) acc[g * C + j] = _mm512_fmadd_ps(p, vv[j], acc[g * C + j]);
@@ -313,7 +246,7 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
         }
         char *op = (char *)a->out + (a->q_rows[r] * a->out_row_stride + h * G * HD) * es;
         for (int64_t g = 0; g < G; g++)
-            for (int64_t j = 0; j < C; j++) store16(op + (g * HD + 16 * j) * es, acc[g * C + j], is_bf16, 16);
+            for (int64_t j = 0; j < C; j++) store16(op, g * HD + 16 * j, acc[g * C + j], is_bf16, 0xffff);
     }
     return 0;
 }

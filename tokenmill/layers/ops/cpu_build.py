@@ -4,7 +4,7 @@ Each kernel is one C source beside its Python wrapper. `load_library(source)`
 compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
 and `-O3 -march=native -fopenmp -ffp-contract=off` into `$TOKENMILL_CACHE_DIR/kernels`
 (default `~/.cache/tokenmill/kernels`), named by a hash of the source, the
-flags, the compiler's version and this CPU's feature flags, so later
+flags, the shared header `cpu_simd.h`, the compiler's version and this CPU's feature flags, so later
 processes load the cached library at once (a build takes ~2-10 s). Builds go
 to a temporary file that is renamed into place, so processes that build at
 once never load a partial file. A cached library is loaded only when this
@@ -39,6 +39,9 @@ CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 
 # source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
+# Headers the sources include (cpu_simd.h), found with -I here; hashed with every source.
+INCLUDE_DIR = Path(__file__).resolve().parent
+
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -63,7 +66,7 @@ def _cpu_flags() -> str:
 
 def _build(source: Path, compiler: str) -> Path:
     """Compile (or find) the library of `source`; returns its path. Raises OSError / subprocess errors."""
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     version = subprocess.run([compiler, "--version"], capture_output=True, encoding="utf-8", errors="replace",
                              check=False, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(),
@@ -79,8 +82,8 @@ def _build(source: Path, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       encoding="utf-8", errors="replace", timeout=300)
+        subprocess.run([compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, encoding="utf-8", errors="replace", timeout=300)
         os.chmod(tmp, 0o755)  # mkstemp made it 0600
         os.replace(tmp, target)
     finally:
