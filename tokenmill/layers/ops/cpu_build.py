@@ -1,11 +1,12 @@
-"""Build and load tokenmill's C kernels for the CPU (decode attention, RMSNorm, gated activations).
+"""Build and load tokenmill's C kernels for the CPU (decode attention, RMSNorm, SiLU-and-mul, RoPE).
 
 Each kernel is one C source beside its Python wrapper. `load_library(source)`
 compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
-and `-O3 -march=native -fopenmp -ffp-contract=off` into `$TOKENMILL_CACHE_DIR/kernels`
-(default `~/.cache/tokenmill/kernels`), named by a hash of the source, the
-flags, the shared header `cpu_simd.h`, the compiler's version and this CPU's feature flags, so later
-processes load the cached library at once (a build takes ~2-10 s). Builds go
+and `-O3 -march=native -fopenmp -ffp-contract=off` into
+`$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`), named
+by a hash of the source, the shared header `cpu_simd.h`, the flags, the
+compiler's version and this CPU's feature flags, so later processes load the
+cached library at once (a build takes ~1-10 s). Builds go
 to a temporary file that is renamed into place, so processes that build at
 once never load a partial file. A cached library is loaded only when this
 user owns it (another user's file in a shared cache is rebuilt under a
@@ -13,9 +14,10 @@ per-user name instead: loading it would run their code); one that fails to
 load is rebuilt once.
 
 No compiler, a failed build, or env `TOKENMILL_CPU_KERNELS=0` -> None
-(logged once per source), and each caller keeps its PyTorch path. The
-libraries link the libgomp that torch already loaded (the dynamic loader
-reuses a loaded soname), so `torch.set_num_threads` sets their thread count too.
+(logged once per source), and each caller keeps its PyTorch path. Built by
+GCC, the libraries need libgomp.so.1, which the dynamic loader resolves to
+the copy torch already loaded where the sonames match (pip's x86 torch), so
+`torch.set_num_threads` sets their thread count too.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
 # skipping the rounding of a * b that the PyTorch reference does (the kernels call fmadd where they mean it).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 
-# source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
 # Headers the sources include (cpu_simd.h), found with -I here; hashed with every source.
 INCLUDE_DIR = Path(__file__).resolve().parent
 
+# source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 

@@ -3,8 +3,8 @@
 On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
 one more pass over memory; a decode step of a 30-layer model runs ~60 norms,
-30 activations and 30 RoPEs. These C loops make one pass each, with the reference's
-roundings (see the C file): in bfloat16 the outputs are the reference's bits
+30 activations and 30 RoPEs. These C loops make one pass each, with the
+reference's roundings (see the C file): in bfloat16 the outputs are the reference's bits
 except where RMSNorm's float32 sum of squares, added in another order, moves
 an element by one ulp; in float32 they differ in the last bits (the sum
 order, SiLU's polynomial exp: up to ~4 ulps). NaN payloads may differ.
