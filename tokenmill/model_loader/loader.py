@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.cpu_weights import pack_cpu_linear_weights
+from tokenmill.layers.ops import cpu_elementwise
 from tokenmill.model_loader.dummy import initialize_dummy_weights
 from tokenmill.model_loader.weight_utils import pt_weights_iterator, safetensors_files, safetensors_weights_iterator
 from tokenmill.models.registry import resolve_model_cls
@@ -96,4 +97,5 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
                 torch_dtype, device, time.perf_counter() - start)
     if torch.device(device).type == "cpu":
         pack_cpu_linear_weights(model)  # bfloat16: oneDNN's layout once, not per call
+        cpu_elementwise.load()  # build (once per machine) or load the CPU C kernels now, not at the first request
     return model.eval()
