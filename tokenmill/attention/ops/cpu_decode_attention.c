@@ -33,6 +33,7 @@
  * torch.set_num_threads governs both.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_simd.h" /* tokenmill/layers/ops/ (cpu_build passes -I) */
 
@@ -66,9 +67,16 @@ static float *scratch(int64_t n) {
 
 /* ---- plain-C passes (any CPU; also the fallback for shapes the vector path does not take) ---- */
 
+/* Key or value `pos` of KV head h (table: the row's block table) widened to float32 in row[hd]. */
+static inline void cache_row(const Args *a, const void *cache, const int32_t *table, int64_t pos, int64_t h,
+                             float *row) {
+    const int64_t hd = a->head_dim, bs = a->block_size;
+    const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * a->num_kv_heads * hd + h * hd;
+    for (int64_t d = 0; d < hd; d++) row[d] = load1(cache, off + d, a->is_bf16);
+}
+
 static int item_generic(const Args *a, int64_t r, int64_t h) {
-    const int64_t G = a->num_heads / a->num_kv_heads, hd = a->head_dim, bs = a->block_size;
-    const int64_t ts = a->num_kv_heads * hd;
+    const int64_t G = a->num_heads / a->num_kv_heads, hd = a->head_dim;
     const int64_t seq_len = a->seq_lens[r];
     const int64_t start = (a->window > 0 && seq_len > a->window) ? seq_len - a->window : 0;
     const int64_t n = seq_len - start;
@@ -76,50 +84,36 @@ static int item_generic(const Args *a, int64_t r, int64_t h) {
     float *s = scratch(G * n);
     if (s == NULL) return -2;
     float q[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-    {
-        const int64_t qoff = a->q_rows[r] * a->q_row_stride + h * G * hd;
-        for (int64_t i = 0; i < G * hd; i++)
-            q[i] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[qoff + i]) : ((const float *)a->q)[qoff + i];
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * ts + h * hd;
-            for (int64_t d = 0; d < hd; d++)
-                row[d] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->k_cache)[off + d])
-                                    : ((const float *)a->k_cache)[off + d];
-            for (int64_t g = 0; g < G; g++) {
-                float dot = 0.f;
-                for (int64_t d = 0; d < hd; d++) dot += q[g * hd + d] * row[d];
-                float x = (a->is_bf16 ? round_bf16(dot) : dot) * a->scale;
-                if (a->cap > 0.f) x = a->cap * tanhf(x / a->cap);
-                s[g * n + t] = x;
-            }
-        }
+    const int64_t qoff = a->q_rows[r] * a->q_row_stride + h * G * hd;
+    for (int64_t i = 0; i < G * hd; i++) q[i] = load1(a->q, qoff + i, a->is_bf16);
+    for (int64_t t = 0; t < n; t++) {
+        cache_row(a, a->k_cache, table, start + t, h, row);
         for (int64_t g = 0; g < G; g++) {
-            float *sg = s + g * n, m = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
-            for (int64_t t = 0; t < n; t++) {
-                const float x = sg[t] - m;
-                sg[t] = x < -87.f ? 0.f : expf(x);
-                sum += sg[t];
-            }
-            for (int64_t t = 0; t < n; t++) sg[t] = a->is_bf16 ? round_bf16(sg[t] / sum) : sg[t] / sum;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)(G * hd));
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * ts + h * hd;
-            for (int64_t d = 0; d < hd; d++)
-                row[d] = a->is_bf16 ? bf16_to_f32(((const uint16_t *)a->v_cache)[off + d])
-                                    : ((const float *)a->v_cache)[off + d];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t d = 0; d < hd; d++) acc[g * hd + d] += s[g * n + t] * row[d];
-        }
-        const int64_t ooff = a->q_rows[r] * a->out_row_stride + h * G * hd;
-        for (int64_t i = 0; i < G * hd; i++) {
-            if (a->is_bf16) ((uint16_t *)a->out)[ooff + i] = f32_to_bf16(acc[i]);
-            else ((float *)a->out)[ooff + i] = acc[i];
+            float dot = 0.f;
+            for (int64_t d = 0; d < hd; d++) dot += q[g * hd + d] * row[d];
+            float x = (a->is_bf16 ? round_bf16(dot) : dot) * a->scale;
+            if (a->cap > 0.f) x = a->cap * tanhf(x / a->cap);
+            s[g * n + t] = x;
         }
     }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * n, m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = 0; t < n; t++) {
+            const float x = sg[t] - m;
+            sg[t] = x < -87.f ? 0.f : expf(x);
+            sum += sg[t];
+        }
+        for (int64_t t = 0; t < n; t++) sg[t] = a->is_bf16 ? round_bf16(sg[t] / sum) : sg[t] / sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(G * hd));
+    for (int64_t t = 0; t < n; t++) {
+        cache_row(a, a->v_cache, table, start + t, h, row);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < hd; d++) acc[g * hd + d] += s[g * n + t] * row[d];
+    }
+    const int64_t ooff = a->q_rows[r] * a->out_row_stride + h * G * hd;
+    for (int64_t i = 0; i < G * hd; i++) store1(a->out, ooff + i, acc[i], a->is_bf16);
     return 0;
 }
 
