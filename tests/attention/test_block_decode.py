@@ -39,11 +39,16 @@ def _batch(tables: list[list[int]], seq_lens: list[int], num_blocks: int, num_kv
 
 
 def _reference(query, cache, tables, seq_lens, scale, window=None, cap=None):
-    num_heads, group = query.shape[1], query.shape[1] // cache.shape[3]
+    """[B, H, D] float64, one row at a time from the definition (HF's window: keys > p - W).
+
+    tables: each row's physical block ids (a list or a tensor row); the block size is the cache's.
+    Also the reference of the C kernel's tests (test_cpu_decode_kernel.py).
+    """
+    block_size, group = cache.shape[2], query.shape[1] // cache.shape[3]
     out = torch.empty(query.shape, dtype=torch.float64)
     for i, (table, n) in enumerate(zip(tables, seq_lens)):
         pos = torch.arange(n)
-        keys = cache[:, torch.tensor(table)[pos // BS], pos % BS].double()  # [2, n, Hkv, D]
+        keys = cache[:, torch.as_tensor(table).long()[pos // block_size], pos % block_size].double()  # [2, n, Hkv, D]
         k, v = keys[0].repeat_interleave(group, 1), keys[1].repeat_interleave(group, 1)
         s = torch.einsum("hd,nhd->hn", query[i].double(), k) * scale
         if cap is not None:
@@ -51,7 +56,6 @@ def _reference(query, cache, tables, seq_lens, scale, window=None, cap=None):
         if window is not None:
             s[:, pos <= n - 1 - window] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
-    assert num_heads == out.shape[1]
     return out
 
 

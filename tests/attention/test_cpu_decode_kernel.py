@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.attention.test_block_decode import _reference  # the float64 reference, one row at a time
 from tokenmill.attention.backends.block_decode import block_decode_attention, plan_block_decode
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
@@ -45,24 +46,6 @@ def _batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed, shared_pre
             b = table[i, pos // block_size]
             cache[:, b, pos % block_size] = torch.randn(2, num_kv_heads, head_dim, generator=g)
     return torch.from_numpy(table), cache.to(dtype)
-
-
-def _reference(query, cache, table, seq_lens, scale, window=None, cap=None):
-    """[B, H, D] float64, one row at a time from the definition (HF's window: keys > p - W)."""
-    block_size, num_kv_heads = cache.shape[2], cache.shape[3]
-    group = query.shape[1] // num_kv_heads
-    out = torch.empty(query.shape, dtype=torch.float64)
-    for i, n in enumerate(seq_lens):
-        pos = torch.arange(n)
-        kv = cache[:, table[i].long()[pos // block_size], pos % block_size].double()  # [2, n, Hkv, D]
-        k, v = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)
-        s = torch.einsum("hd,nhd->hn", query[i].double(), k) * scale
-        if cap is not None:
-            s = cap * torch.tanh(s / cap)
-        if window is not None:
-            s[:, pos <= n - 1 - window] = float("-inf")
-        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
-    return out
 
 
 def _run(lib, query, cache, table, seq_lens, scale, window=None, cap=None, rows=None, out=None):
