@@ -39,7 +39,9 @@ class FakeOpenAIServer:
 
     Timing: `first_delay_s` before the first chunk, `gap_s` between chunks.
     Prompts containing FAIL get HTTP 500; STREAMERR gets one chunk then an
-    error object in the stream. Request bodies are kept in `bodies`.
+    error object in the stream. Prompts containing PAIRS get two tokens per
+    chunk. With `stream_options.continuous_usage_stats` every content chunk
+    carries the cumulative usage. Request bodies are kept in `bodies`.
     """
 
     first_delay_s = 0.03
@@ -72,11 +74,18 @@ class FakeOpenAIServer:
             await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         await asyncio.sleep(self.first_delay_s)
         n = body["max_tokens"]
-        for i in range(n):
+        per_chunk = 2 if "PAIRS" in prompt else 1
+        continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+        for i in range(0, n, per_chunk):
             if i:
                 await asyncio.sleep(self.gap_s)
-            choice = {"index": 0, "delta": {"content": "tok "}} if chat else {"index": 0, "text": "tok "}
-            await send({"choices": [choice]})
+            k = min(per_chunk, n - i)
+            choice = {"index": 0, "delta": {"content": "tok " * k}} if chat else {"index": 0, "text": "tok " * k}
+            chunk = {"choices": [choice]}
+            if continuous:
+                chunk["usage"] = {"prompt_tokens": len(prompt.split()), "completion_tokens": i + k,
+                                  "total_tokens": len(prompt.split()) + i + k}
+            await send(chunk)
             if "STREAMERR" in prompt:
                 await send({"error": {"message": "engine died"}})
                 return resp

@@ -8,6 +8,7 @@ from tokenmill.benchmarks.datasets import SampleRequest
 from tokenmill.benchmarks.metrics import (
     RequestFuncOutput,
     calculate_metrics,
+    chunk_token_counts,
     format_summary,
     metrics_to_dict,
     parse_goodput,
@@ -126,3 +127,23 @@ def test_peaks():
     d = metrics_to_dict(m, ["ttft"])
     assert d["max_concurrent_requests"] == 2
     assert d["max_output_tokens_per_s"] == 7.0  # c adds chunks at 0.7 and 0.8 s to the first second
+
+
+def _chunks(itl: list[float], ttft: float, output_tokens: int, **kw) -> RequestFuncOutput:
+    """A successful request with len(itl) + 1 content chunks that reports `output_tokens` in its usage."""
+    return RequestFuncOutput(success=True, ttft=ttft, latency=ttft + sum(itl), itl=itl, num_chunks=len(itl) + 1,
+                             output_tokens=output_tokens, **kw)
+
+
+def test_peak_counts_tokens_per_chunk():
+    # Under load one stream chunk holds several tokens. a: chunks at 0.1, 0.2, 0.3 s carrying 4, 3, 1
+    # tokens (reported per chunk); b: chunks at 0.5, 1.5 s, no per-chunk counts, usage says 6 -> 3 + 3.
+    a = _chunks([0.1, 0.1], ttft=0.1, chunk_tokens=[4, 3, 1], output_tokens=8)
+    b = _chunks([1.0], ttft=0.5, output_tokens=6)
+    assert chunk_token_counts(a).tolist() == [4, 3, 1]
+    assert chunk_token_counts(b).tolist() == [3, 3]
+    assert peak_output_rate([a, b]) == 11.0  # 4 + 3 + 1 + 3 in [0, 1) s; one per chunk would say 4
+    # A request's chunk counts add up to its usage: 7 tokens over 3 chunks -> [3, 2, 2].
+    assert chunk_token_counts(_chunks([0.1, 0.1], ttft=0.1, output_tokens=7)).tolist() == [3, 2, 2]
+    # No usage at all: one token per chunk (vLLM's rule).
+    assert chunk_token_counts(_chunks([0.1, 0.1], ttft=0.1, output_tokens=0)).tolist() == [1, 1, 1]

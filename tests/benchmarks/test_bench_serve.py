@@ -45,7 +45,8 @@ def test_serve_counts_timings_failures_and_result_file(fake_server, tmp_path, ca
                 "duration", "input_lens", "output_lens"):
         assert key in r, key
     body = fake_server.bodies[-1]
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True,
+                                                                  "continuous_usage_stats": True}
     assert body["ignore_eos"] is True and body["model"] == "fake" and body["temperature"] == 0.0
 
 
@@ -100,3 +101,21 @@ def test_arrival_times_mean_gap_and_burstiness():
     assert not serve.arrival_times(5, float("inf"), 1.0, rng).any()
     with pytest.raises(ValueError, match="request-rate"):
         serve.arrival_times(5, 0.0, 1.0, rng)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_send_request_counts_tokens_per_chunk(fake_server, chat):
+    """Multi-token chunks: per-chunk usage gives each chunk's token count, so the peak counts tokens."""
+    import asyncio
+
+    import aiohttp
+
+    async def one() -> serve.RequestFuncOutput:
+        body = serve.build_payload("PAIRS of tokens", 5, "fake", chat, {})
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with aiohttp.ClientSession() as session:
+            return await serve.send_request(session, fake_server.url + path, body, chat)
+
+    out = asyncio.run(one())
+    assert out.success and out.num_chunks == 3 and out.output_tokens == 5
+    assert out.chunk_tokens == [2, 2, 1]

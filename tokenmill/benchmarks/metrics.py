@@ -42,6 +42,8 @@ class RequestFuncOutput:
     itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
     latency: float = 0.0  # send -> end of stream
     num_chunks: int = 0  # content chunks received
+    # tokens each content chunk carried, aligned with [ttft, *itl]; empty = not reported (see chunk_token_counts)
+    chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0  # server usage.prompt_tokens; 0 = not reported
     output_tokens: int = 0  # server usage.completion_tokens; 0 = not reported
     error: str = ""
@@ -71,7 +73,7 @@ class BenchmarkMetrics:
     stats: dict[str, MetricStats]  # metric key (ttft, tpot, itl, e2el) -> stats
     input_lens: list[int]  # per request (0 for failed ones)
     output_lens: list[int]  # per request (0 for failed ones)
-    max_output_tokens_per_s: float = 0.0  # most content chunks in any 1 s bucket of the run
+    max_output_tokens_per_s: float = 0.0  # most output tokens received in any 1 s bucket of the run
     max_concurrent_requests: int = 0  # most requests in flight at one instant
 
 
@@ -131,11 +133,41 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0) -> float:
-    """Most content chunks received in one `bucket_s` window (from the first send), per second.
+def chunk_token_counts(out: RequestFuncOutput) -> np.ndarray:
+    """Tokens carried by each content chunk of one request: `[num_chunks]` int64.
 
-    Chunk times are `start_time + ttft + cumsum(itl)`; a chunk usually holds
-    one token, so this is vLLM's "peak output token throughput".
+    Under load one stream chunk often carries several tokens, so counting
+    chunks (as vLLM's `bench serve` does) understates the peak. The rule:
+
+    - the server reported per-chunk usage (`stream_options.continuous_usage_stats`,
+      which `send_request` asks for): each chunk counts the increase of
+      `usage.completion_tokens` since the previous content chunk (tokens of
+      text-less chunks go to the next content chunk), exact;
+    - otherwise one token per chunk, and the tokens the final usage reports
+      beyond the chunk count are spread evenly over the chunks (the first
+      chunks take the remainder), so the sum always equals `output_tokens`
+      when the server reports usage.
+
+    Example: 3 chunks, no per-chunk usage, usage says 7 tokens -> `[3, 2, 2]`.
+    The chunks are those timed by `[ttft, *itl]`, so a successful request has
+    at least one.
+    """
+    n = len(out.itl) + 1
+    if len(out.chunk_tokens) == n:
+        return np.asarray(out.chunk_tokens, dtype=np.int64)
+    extra = max(out.output_tokens - n, 0)
+    counts = np.full(n, 1 + extra // n, dtype=np.int64)
+    counts[: extra % n] += 1  # [1, 1, 1] + 4 extra -> [3, 2, 2]
+    return counts
+
+
+def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0) -> float:
+    """Most output tokens received in one `bucket_s` window (from the first send), per second.
+
+    Chunk times are `start_time + ttft + cumsum(itl)`; each chunk weighs the
+    tokens it carried (`chunk_token_counts`), so the peak is comparable with
+    the mean output throughput. Differs from vLLM's "peak output token
+    throughput", which counts one token per chunk.
     """
     ok = [o for o in outputs if o.success]
     if not ok:
@@ -143,7 +175,8 @@ def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0) ->
     t0 = min(o.start_time for o in ok)
     # [ttft, gap1, gap2] -> [ttft, ttft+gap1, ttft+gap1+gap2] seconds after the request's send
     times = np.concatenate([o.start_time - t0 + np.cumsum([o.ttft, *o.itl]) for o in ok])
-    return float(np.bincount((times // bucket_s).astype(np.int64)).max() / bucket_s)
+    weights = np.concatenate([chunk_token_counts(o) for o in ok])
+    return float(np.bincount((times // bucket_s).astype(np.int64), weights=weights).max() / bucket_s)
 
 
 def peak_concurrency(outputs: list[RequestFuncOutput]) -> int:

@@ -128,8 +128,9 @@ def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random
 
 
 def build_payload(prompt: str, output_len: int, model: str, chat: bool, sampling: dict[str, Any]) -> dict[str, Any]:
-    """One streaming request body; usage is asked for in the final chunk."""
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    """One streaming request body; usage is asked for in every chunk (the peak metric counts tokens per chunk)."""
+    body: dict[str, Any] = {"model": model, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         body["max_completion_tokens"] = output_len
@@ -155,7 +156,8 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
     """POST one streaming request and time its SSE chunks.
 
     A chunk counts as a token event when it carries text; the first one sets
-    TTFT, each later one adds an ITL gap. A non-200 status, an `error`
+    TTFT, each later one adds an ITL gap. With per-chunk usage from the
+    server, `chunk_tokens` records how many tokens each such chunk carried. A non-200 status, an `error`
     object in the stream, a broken connection or a stream without any text
     marks the request failed, with the reason in `error`.
     """
@@ -166,6 +168,8 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
     if api_key := os.environ.get("OPENAI_API_KEY"):
         headers["Authorization"] = f"Bearer {api_key}"
     start = last = out.start_time = time.perf_counter()
+    reported: int | None = None  # cumulative completion tokens, when the server reports usage per chunk
+    counted = 0  # of those, tokens already given to a content chunk
     try:
         async with session.post(api_url, json=payload, headers=headers) as resp:
             if resp.status != 200:
@@ -183,7 +187,13 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
                     if chunk.get("error"):
                         out.error = f"server error in stream: {json.dumps(chunk['error'])[:500]}"
                         break
+                    usage = chunk.get("usage")
+                    if usage and chunk.get("choices"):  # per-chunk (continuous) usage: cumulative counts
+                        reported = int(usage.get("completion_tokens") or 0)
                     if text := _chunk_text(chunk, chat):
+                        if reported is not None:
+                            out.chunk_tokens.append(reported - counted)
+                            counted = reported
                         if out.num_chunks == 0:
                             out.ttft = now - start
                         else:
@@ -191,10 +201,12 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
                         last = now
                         out.num_chunks += 1
                         out.generated_text += text
-                    if usage := chunk.get("usage"):
+                    if usage:
                         out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
                 out.latency = time.perf_counter() - start
+                if out.chunk_tokens:  # tokens after the last content chunk (e.g. a text-less final token)
+                    out.chunk_tokens[-1] += max(out.output_tokens - sum(out.chunk_tokens), 0)
                 if not out.error and out.num_chunks == 0:
                     out.error = "the stream ended without any generated text"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError covers bad JSON / UTF-8
