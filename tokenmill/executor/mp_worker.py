@@ -35,14 +35,14 @@ def main(fd: int) -> None:
     engine_config, rank, local_rank, init_method = conn.recv()
     logging.basicConfig(level=os.environ.get("TOKENMILL_LOGGING_LEVEL", "WARNING"),
                         format=f"(worker rank={rank}) %(levelname)s %(name)s: %(message)s")
-    pc = engine_config.parallel_config
-    output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
     try:
+        from tokenmill.executor.abstract import output_rank
         from tokenmill.worker.worker import Worker
 
         worker = Worker(engine_config, rank=rank, local_rank=local_rank, distributed_init_method=init_method)
         worker.init_device()
         worker.load_model()
+        result_rank = output_rank(engine_config.parallel_config)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
         _reply_error(conn, exc)
         return
@@ -68,7 +68,7 @@ def main(fd: int) -> None:
             return
         if method == "execute_model":
             steps, busy_s, idle_s = steps + 1, busy_s + time.perf_counter() - t1, idle_s + t1 - t0
-        if method == "execute_model" and rank != output_rank:
+        if method == "execute_model" and rank != result_rank:
             result = None  # only the output rank's result is used; skip pickling the rest
         conn.send(("ok", result))
 

@@ -27,9 +27,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed.init import get_open_port, set_nccl_env_defaults
-from tokenmill.executor.abstract import Executor
+from tokenmill.executor.abstract import DistributedExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def check_cuda_device_count(world_size: int) -> None:
         )
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     """Starts `world_size` worker processes, one per GPU (CUDA) or per rank (CPU).
 
     Raises:
@@ -66,8 +65,6 @@ class MultiprocExecutor(Executor):
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
         pc = engine_config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         on_cuda = engine_config.device_config.device == "cuda"
         if on_cuda:
             check_cuda_device_count(self.world_size)
@@ -98,18 +95,14 @@ class MultiprocExecutor(Executor):
         logger.info("Started %d worker processes (tp=%d, pp=%d)", self.world_size, pc.tensor_parallel_size,
                     pc.pipeline_parallel_size)
 
-    # ---- the Executor interface -------------------------------------------------
-
-    def determine_num_available_blocks(self) -> int:
-        """The minimum over ranks (ranks may hold different numbers of KV heads or layers)."""
-        return min(self._call_all("determine_num_available_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.config.cache_config.num_gpu_blocks = num_blocks
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute_model", scheduler_output)[self.output_rank]
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Send the call, pickled once, to every worker and wait for all replies (`_collect`)."""
+        if not self.conns:
+            raise RuntimeError("The executor was shut down.")
+        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(data)
+        return self._collect(timeout_s=None)
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -130,14 +123,6 @@ class MultiprocExecutor(Executor):
         self.procs.clear()
 
     # ---- messaging ----------------------------------------------------------------
-
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        if not self.conns:
-            raise RuntimeError("The executor was shut down.")
-        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self.conns:
-            conn.send_bytes(data)
-        return self._collect(timeout_s=None)
 
     def _collect(self, timeout_s: float | None) -> list[Any]:
         """One reply per worker, polled together so a failing rank is reported at once.

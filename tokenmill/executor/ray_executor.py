@@ -20,8 +20,7 @@ import socket
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.abstract import Executor
+from tokenmill.executor.abstract import DistributedExecutor, output_rank
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +52,8 @@ class RayWorkerWrapper:
 
         if engine_config.device_config.device == "cuda":
             set_nccl_env_defaults()
-        pc = engine_config.parallel_config
         self.rank = rank
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self.output_rank = output_rank(engine_config.parallel_config)
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU, so it is local device 0.
         self.worker = Worker(engine_config, rank=rank, local_rank=0, distributed_init_method=init_method)
         self.worker.init_device()
@@ -114,7 +112,7 @@ def _ray_init() -> None:
                          f"({type(e).__name__}: {e}). {_HOW_TO_START}") from e
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutor):
     """`world_size` Ray actors in one placement group.
 
     Raises:
@@ -130,8 +128,6 @@ class RayDistributedExecutor(Executor):
         super().__init__(engine_config)
         _ray_init()
         pc = engine_config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         on_cuda = engine_config.device_config.device == "cuda"
         resource = "GPU" if on_cuda else "CPU"
         self.pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
@@ -165,24 +161,14 @@ class RayDistributedExecutor(Executor):
         logger.info("Started %d Ray workers (tp=%d, pp=%d), rendezvous %s", self.world_size,
                     pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method)
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `execute_method` on every actor and wait for all results."""
         import ray
 
         if not self.actors:
             raise RuntimeError("The executor was shut down.")
         refs = [ray.put(a) for a in args]  # serialized once, shared by every actor
         return ray.get([actor.execute_method.remote(method, *refs) for actor in self.actors])
-
-    def determine_num_available_blocks(self) -> int:
-        """The minimum over ranks."""
-        return min(self._call_all("determine_num_available_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.config.cache_config.num_gpu_blocks = num_blocks
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute_model", scheduler_output)[self.output_rank]
 
     def shutdown(self) -> None:
         import ray

@@ -1,34 +1,45 @@
-"""Building blocks shared by the Llama-like families (Qwen2/3, Qwen3-MoE, Mistral, Mixtral).
+"""The one decoder shell of every model family, and the switches the families turn.
 
-They differ from Llama (`llama.py`) only in a few switches, so one attention,
-one pre-norm decoder layer and one causal-LM shell take those switches:
+One attention, one MLP, one decoder layer, one model (embedding, layers loop,
+final norm) and one causal-LM class (LM head, logits, weight loading) serve
+all families; a family module contributes only `make_layer` and what differs:
 
-    family      qkv bias  o bias  q/k norm  sliding window             MLP
-    Qwen2       yes       no      no        layer_types (HF)           gated
-    Qwen3       attn_bias attn_b  RMSNorm   layer_types (HF)           gated
-    Qwen3-MoE   attn_bias attn_b  RMSNorm   every layer when set       MoE / gated
-    Mistral     no        no      no        every layer when set       gated
-    Mixtral     no        no      no        every layer when set       MoE
+    family      qkv bias  o bias  q/k norm  sliding window             MLP          norms
+    Llama       attn_bias attn_b  no        no                         gated        pre
+    Qwen2       yes       no      no        layer_types (HF)           gated        pre
+    Qwen3       attn_bias attn_b  RMSNorm   layer_types (HF)           gated        pre
+    Qwen3-MoE   attn_bias attn_b  RMSNorm   every layer when set       MoE / gated  pre
+    Mistral     no        no      no        every layer when set       gated        pre
+    Mixtral     no        no      no        every layer when set       MoE          pre
+    Gemma 3     attn_bias attn_b  Gemma     layer_types / pattern      GeGLU        sandwich, Gemma
 
-Sources: transformers' `modeling_{qwen2,qwen3,qwen3_moe,mistral,mixtral}.py`.
+Sources: transformers' `modeling_{llama,qwen2,qwen3,qwen3_moe,mistral,mixtral,gemma3}.py`.
+Shapes: a step's tokens from all requests are flattened into one batch of T
+tokens; attention separates requests through the forward context's metadata.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from tokenmill.distributed.pp_comm import IntermediateTensors
+from tokenmill.layers.activation import get_act_and_mul_fn
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.fused_moe import FusedMoE, load_expert_weight
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenmill.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
 from tokenmill.models.utils import PPMissingLayer, load_weights_with_mapping, make_layers
 
@@ -108,6 +119,19 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate/up fused (SwiGLU, or GeGLU for gelu). x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = get_act_and_mul_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) + `experts` (FusedMoE). x [T, H] -> [T, H].
 
@@ -127,14 +151,33 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block (input_layernorm -> attn -> post_attention_layernorm -> mlp), fused residual adds."""
+    """Pre-norm block with the residual stream carried separately (fused add + norm).
 
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
+    Plain (Llama and most families):
+
+        h = x + attn(input_layernorm(x));  y = h + mlp(post_attention_layernorm(h))
+
+    `sandwich=True` (Gemma 3) adds a norm after each sub-block and one before the MLP:
+
+        h = x + post_attention_layernorm(attn(input_layernorm(x)))
+        y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+    `gemma_norm=True` makes every norm Gemma's x * (1 + w).
+    forward(positions [T], hidden [T, H], residual [T, H] | None) -> (hidden, residual).
+    """
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, *, sandwich: bool = False,
+                 gemma_norm: bool = False) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
+        self.sandwich = sandwich
+        if sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
+            self.post_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,20 +187,26 @@ class DecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        if not self.sandwich:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
 class DecoderModel(nn.Module):
     """embed_tokens, `make_layer(config, i)` for each layer, final norm. [T] ids -> [T, H].
 
-    Pipeline-parallel as `LlamaModel`: this stage builds layers
-    [start_layer, end_layer) only; the embedding lives on the first stage (and
-    the last when tied), the final norm on the last; a non-first stage takes
-    the previous stage's `IntermediateTensors`, a non-last stage returns its own.
+    Pipeline-parallel: this stage builds layers [start_layer, end_layer) only;
+    the embedding lives on the first stage (and the last when tied to the LM
+    head), the final norm on the last; a non-first stage takes the previous
+    stage's `IntermediateTensors`, a non-last stage returns its own.
+    `gemma_norm` makes the final norm Gemma's x * (1 + w); a family that
+    scales its embeddings overrides `embed`.
     """
 
-    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module], *, gemma_norm: bool = False) -> None:
         super().__init__()
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if is_first_pp_rank() or (tied and is_last_pp_rank()):
@@ -166,7 +215,8 @@ class DecoderModel(nn.Module):
             self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers, lambda i: make_layer(config, i))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if is_last_pp_rank() else PPMissingLayer()
+        self.norm = (RMSNorm(config.hidden_size, eps=config.rms_norm_eps, gemma=gemma_norm)
+                     if is_last_pp_rank() else PPMissingLayer())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -187,7 +237,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder + LM head; subclasses define `make_layer(config, layer_idx)`.
+    """A decoder + LM head; a family subclasses it and defines `make_layer(config, layer_idx)`.
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> [N, vocab] float32. Must run inside
@@ -195,7 +245,7 @@ class DecoderForCausalLM(nn.Module):
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         ".q_proj": (".qkv_proj", "q"),
         ".k_proj": (".qkv_proj", "k"),
         ".v_proj": (".qkv_proj", "v"),
@@ -203,7 +253,7 @@ class DecoderForCausalLM(nn.Module):
         ".up_proj": (".gate_up_proj", 1),
     }
     # checkpoint name fragment -> module path fragment (e.g. Mixtral's block_sparse_moe -> mlp)
-    checkpoint_renames: dict[str, str] = {}
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
     # fp16 overflows in this family's activations: dtype "auto" avoids fp16 (config_resolve)
     fp16_unsafe = False
 

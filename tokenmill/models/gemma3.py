@@ -20,20 +20,19 @@ Differences from Llama, as transformers' `modeling_gemma3.py`:
 - GeGLU MLP (`hidden_activation`, gelu-tanh).
 
 Gemma's activations overflow fp16, so the class is marked `fp16_unsafe`.
+The shell and the sandwich-norm layer are `decoder_layers`' (`sandwich=True`, `gemma_norm=True`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import is_last_pp_rank
-from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary import rope_parameters_from_config
-from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, DecoderModel
-from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, DecoderLayer, DecoderModel, GatedMLP
 
 
 def gemma3_layer_type(config: Any, layer_idx: int) -> str:
@@ -60,49 +59,11 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
     return params
 
 
-class Gemma3DecoderLayer(nn.Module):
-    """Sandwich-norm block; carries the residual stream separately (fused add + norm)."""
-
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        layer_type = gemma3_layer_type(config, layer_idx)
-        sliding = layer_type == "sliding_attention"
-        bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = DecoderAttention(
-            config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm="gemma",
-            scale=float(config.query_pre_attn_scalar) ** -0.5,
-            sliding_window=config.sliding_window if sliding else None,
-            rope_parameters=gemma3_rope_parameters(config, layer_type),
-            logits_soft_cap=None,  # HF Gemma 3 ignores attn_logit_softcapping (module docstring)
-        )
-        act = getattr(config, "hidden_activation", None) or config.hidden_act
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, act)
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps=eps, gemma=True)
-        self.post_attention_layernorm = RMSNorm(h, eps=eps, gemma=True)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=True)
-        self.post_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=True)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
-        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
-        return hidden_states, residual
-
-
 class Gemma3Model(DecoderModel):
-    """Scaled embedding, Gemma 3 layers, final Gemma norm (pipeline stages as `DecoderModel`)."""
+    """`DecoderModel` with the embedding scaled by sqrt(hidden_size) and a Gemma final norm."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config, Gemma3DecoderLayer)
-        if is_last_pp_rank():
-            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, gemma=True)
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
+        super().__init__(config, make_layer, gemma_norm=True)
         # HF multiplies by a 0-dim tensor cast to the weight dtype: use that rounded value.
         self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
 
@@ -121,7 +82,21 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     fp16_unsafe = True
 
     def make_model(self, config: Any) -> nn.Module:
-        return Gemma3Model(config)
+        return Gemma3Model(config, self.make_layer)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        layer_type = gemma3_layer_type(config, layer_idx)
+        bias = bool(getattr(config, "attention_bias", False))
+        attn = DecoderAttention(
+            config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm="gemma",
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+            sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
+            rope_parameters=gemma3_rope_parameters(config, layer_type),
+            logits_soft_cap=None,  # HF Gemma 3 ignores attn_logit_softcapping (module docstring)
+        )
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, act)
+        return DecoderLayer(config, attn, mlp, sandwich=True, gemma_norm=True)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states, soft_cap=getattr(self.config, "final_logit_softcapping", None))

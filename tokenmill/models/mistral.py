@@ -10,8 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, DecoderLayer, layer_sliding_window
-from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.decoder_layers import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    GatedMLP,
+    layer_sliding_window,
+)
 
 
 class MistralForCausalLM(DecoderForCausalLM):
@@ -19,4 +24,4 @@ class MistralForCausalLM(DecoderForCausalLM):
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         attn = DecoderAttention(config, layer_idx, sliding_window=layer_sliding_window(config, layer_idx))
-        return DecoderLayer(config, attn, LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
+        return DecoderLayer(config, attn, GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act))

@@ -10,8 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.models.decoder_layers import DecoderAttention, DecoderForCausalLM, DecoderLayer, layer_sliding_window
-from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.decoder_layers import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    GatedMLP,
+    layer_sliding_window,
+)
 
 
 def qwen3_attention(config: Any, layer_idx: int) -> DecoderAttention:
@@ -25,5 +30,5 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3 decoder + LM head (interface of `DecoderForCausalLM`)."""
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
-        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         return DecoderLayer(config, qwen3_attention(config, layer_idx), mlp)

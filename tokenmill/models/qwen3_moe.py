@@ -13,8 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.models.decoder_layers import DecoderForCausalLM, DecoderLayer, SparseMoeBlock
-from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.decoder_layers import DecoderForCausalLM, DecoderLayer, GatedMLP, SparseMoeBlock
 from tokenmill.models.qwen3 import qwen3_attention
 
 
@@ -33,5 +32,5 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                  config.moe_intermediate_size, bool(config.norm_topk_prob), config.hidden_act)
         else:
-            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         return DecoderLayer(config, qwen3_attention(config, layer_idx), mlp)

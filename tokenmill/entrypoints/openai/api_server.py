@@ -24,11 +24,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
 from tokenmill.entrypoints.openai.errors import error_response, install_error_handlers
@@ -42,6 +43,7 @@ from tokenmill.entrypoints.openai.request_guard import (
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
 from tokenmill.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -82,6 +84,28 @@ async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | 
     task.cancel()
     logger.info("client disconnected; request aborted")
     return None
+
+
+def _generation_route(serving: OpenAIServing, request_type: type[BaseModel], name: str) -> Callable[..., Any]:
+    """The POST handler of a generation endpoint: `serving.start`, then SSE or the full response.
+
+    FastAPI reads the body model from the handler's annotations, so the
+    handler gets `request_type` there; `name` is the route's operation name.
+    """
+
+    async def route(req: Any, raw_request: Request) -> Any:
+        response_id, model, sub = serving.start(req, raw_request)
+        if req.stream:
+            return StreamingResponse(serving.stream_response(req, response_id, model, sub),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        try:
+            return await _unless_disconnected(raw_request, serving.full_response(req, response_id, model, sub))
+        finally:
+            sub.stream.close()
+
+    route.__annotations__ = {"req": request_type, "raw_request": Request, "return": Any}
+    route.__name__ = route.__qualname__ = name
+    return route
 
 
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
@@ -160,27 +184,10 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.detokenize(req)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw_request: Request) -> Any:
-        response_id, model, sub = completion.start(req, raw_request)
-        if req.stream:
-            return StreamingResponse(completion.stream_response(req, response_id, model, sub),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        try:
-            return await _unless_disconnected(raw_request, completion.full_response(req, response_id, model, sub))
-        finally:
-            sub.stream.close()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Any:
-        response_id, model, sub = chat.start(req, raw_request)
-        if req.stream:
-            return StreamingResponse(chat.stream_response(req, response_id, model, sub),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        try:
-            return await _unless_disconnected(raw_request, chat.full_response(req, response_id, model, sub))
-        finally:
-            sub.stream.close()
+    app.add_api_route("/v1/completions", _generation_route(completion, CompletionRequest, "completions"),
+                      methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _generation_route(chat, ChatCompletionRequest, "chat_completions"),
+                      methods=["POST"])
 
     app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected))
     return app

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,19 +12,14 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatTokenLogprob,
-    PromptTokenUsageInfo,
     TopLogprob,
-    UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceState,
     OpenAIServing,
     Submission,
     finish_reason_text,
-    sse,
-    stream_error_body,
-    token_text,
+    token_logprobs,
 )
 from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
 from tokenmill.entrypoints.openai.tool_parsers.chat_output import ChoiceStreamer
@@ -34,6 +28,9 @@ from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 class OpenAIServingChat(OpenAIServing):
     """Handler for /v1/chat/completions."""
+
+    response_type = ChatCompletionResponse
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, *args: Any, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None, **kwargs: Any) -> None:
@@ -64,60 +61,25 @@ class OpenAIServingChat(OpenAIServing):
         return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0,
                                                  req.cache_salt)
 
-    async def full_response(self, req: ChatCompletionRequest, response_id: str, model: str,
-                            sub: Submission) -> ChatCompletionResponse:
-        """Wait for every choice to finish and build the response."""
-        try:
-            async for out in sub.stream:
-                sub.record(out)
-        finally:
-            sub.stream.close()
-        choices = []
+    def final_choice(self, req: ChatCompletionRequest, sub: Submission, choice: ChoiceState,
+                     comp: CompletionOutput) -> ChatChoice:
+        """The message (content, reasoning, tool calls from the output parser) of one finished choice."""
+        logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0) if req.logprobs else None
+        fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
+        return ChatChoice(index=choice.index, message=ChatResponseMessage(**fields), logprobs=logprobs,
+                          finish_reason=finish, stop_reason=comp.stop_reason)
+
+    async def stream_choices(self, req: ChatCompletionRequest, sub: Submission) -> AsyncIterator[list[dict[str, Any]]]:
+        """A role chunk per choice, then content / reasoning / tool-call deltas and finish reasons."""
+        # OpenAI opens every choice with the assistant role and empty content.
         for c in sub.ordered_choices():
-            comp = c.last
-            assert comp is not None, "a finished request always has an output"
-            logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0) \
-                if req.logprobs else None
-            fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(**fields),
-                                      logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason))
-        p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
-        usage = UsageInfo(prompt_tokens=p, completion_tokens=c_tokens, total_tokens=p + c_tokens,
-                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()))
-        return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
-
-    async def stream_response(self, req: ChatCompletionRequest, response_id: str, model: str,
-                              sub: Submission) -> AsyncIterator[str]:
-        """SSE chunks: a role chunk per choice, content deltas, finish reasons, usage, [DONE]."""
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
-
-        try:
-            # OpenAI opens every choice with the assistant role and empty content.
-            for c in sub.ordered_choices():
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            streamers = {c.index: req._output_parser.streamer() for c in sub.ordered_choices()}
-            async for out in sub.stream:
-                for choice, comp in sub.record(out):
-                    for delta in self._delta_choice(req, choice, comp, streamers[choice.index]):
-                        yield chunk([delta])
-            if include_usage:
-                p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
-                yield chunk([], {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens,
-                                 "prompt_tokens_details": {"cached_tokens": sub.num_cached_tokens()}})
-        except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
-            yield sse(stream_error_body(exc))
-        finally:
-            sub.stream.close()
-        yield SSE_DONE
+            yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]
+        streamers = {c.index: req._output_parser.streamer() for c in sub.ordered_choices()}
+        async for out in sub.stream:
+            for choice, comp in sub.record(out):
+                for delta in self._delta_choice(req, choice, comp, streamers[choice.index]):
+                    yield [delta]
 
     def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState, comp: CompletionOutput,
                       streamer: ChoiceStreamer) -> list[dict[str, Any]]:
@@ -147,16 +109,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], num_top: int) -> ChatChoiceLogprobs:
         """Chat logprobs: per token its text, logprob, UTF-8 bytes and the top `num_top` alternatives."""
-        tok = self.engine.tokenizer
         content = []
-        for pos, tid in zip(positions, token_ids):
-            sampled = pos.get(tid)
-            text = token_text(tok, tid, sampled.decoded_token if sampled else None)
-            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
-            tops = []
-            for t, lp in top:
-                t_text = token_text(tok, t, lp.decoded_token)
-                tops.append(TopLogprob(token=t_text, logprob=lp.logprob, bytes=list(t_text.encode())))
-            content.append(ChatTokenLogprob(token=text, logprob=sampled.logprob if sampled else -9999.0,
+        for text, logprob, top in token_logprobs(self.engine.tokenizer, positions, token_ids, num_top):
+            tops = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]
+            content.append(ChatTokenLogprob(token=text, logprob=logprob if logprob is not None else -9999.0,
                                             bytes=list(text.encode()), top_logprobs=tops))
         return ChatChoiceLogprobs(content=content)

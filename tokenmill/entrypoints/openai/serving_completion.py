@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,24 +10,22 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokenUsageInfo,
-    UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceState,
     OpenAIServing,
     Submission,
     finish_reason_text,
-    sse,
-    stream_error_body,
-    token_text,
+    token_logprobs,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """Handler for /v1/completions."""
+
+    response_type = CompletionResponse
+    chunk_object = "text_completion"
 
     def start(self, req: CompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate and queue the request; returns (response id, model name, submission).
@@ -50,56 +47,24 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = self.response_id("cmpl", req.request_id, raw_request)
         return response_id, model, self.submit(response_id, prompts, params, req.priority or 0, req.cache_salt)
 
-    async def full_response(self, req: CompletionRequest, response_id: str, model: str,
-                            sub: Submission) -> CompletionResponse:
-        """Wait for every choice to finish and build the response."""
-        try:
-            async for out in sub.stream:
-                sub.record(out)
-        finally:
-            sub.stream.close()
-        choices = []
-        for c in sub.ordered_choices():
-            comp = c.last
-            assert comp is not None, "a finished request always has an output"
-            text = comp.text
-            if req.echo:
-                text = self._prompt_text(sub, c.prompt_index) + text
-            logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, 0, req.logprobs) \
-                if req.logprobs is not None else None
-            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                            finish_reason=finish_reason_text(comp.finish_reason),
-                                            stop_reason=comp.stop_reason))
-        prompt_tokens, completion_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens,
-                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()))
-        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+    def final_choice(self, req: CompletionRequest, sub: Submission, choice: ChoiceState,
+                     comp: CompletionOutput) -> CompletionChoice:
+        """The text (after the prompt when `echo`) and logprobs of one finished choice."""
+        text = comp.text
+        if req.echo:
+            text = self._prompt_text(sub, choice.prompt_index) + text
+        logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, 0, req.logprobs) \
+            if req.logprobs is not None else None
+        return CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                finish_reason=finish_reason_text(comp.finish_reason), stop_reason=comp.stop_reason)
 
-    async def stream_response(self, req: CompletionRequest, response_id: str, model: str,
-                              sub: Submission) -> AsyncIterator[str]:
-        """SSE chunks: text deltas per choice, finish reasons, optional usage chunk, [DONE]."""
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        try:
-            async for out in sub.stream:
-                for choice, comp in sub.record(out):
-                    chunk = self._delta_choice(req, sub, choice, comp)
-                    if chunk is not None:
-                        yield sse({"id": response_id, "object": "text_completion", "created": created,
-                                   "model": model, "choices": [chunk]})
-            if include_usage:
-                p, c = sub.num_prompt_tokens(), sub.num_completion_tokens()
-                yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": UsageInfo(
-                               prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                               prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()),
-                           ).model_dump()})
-        except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as vLLM does
-            yield sse(stream_error_body(exc))
-        finally:
-            sub.stream.close()
-        yield SSE_DONE
+    async def stream_choices(self, req: CompletionRequest, sub: Submission) -> AsyncIterator[list[dict[str, Any]]]:
+        """Text deltas per choice, finish reasons last."""
+        async for out in sub.stream:
+            for choice, comp in sub.record(out):
+                chunk = self._delta_choice(req, sub, choice, comp)
+                if chunk is not None:
+                    yield [chunk]
 
     def _delta_choice(self, req: CompletionRequest, sub: Submission, choice: ChoiceState,
                       comp: CompletionOutput) -> dict[str, Any] | None:
@@ -137,16 +102,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], text_offset: int,
                   num_top: int) -> CompletionLogprobs:
         """Legacy completions logprobs for `positions` (one dict per generated token)."""
-        tok = self.engine.tokenizer
         out = CompletionLogprobs()
         offset = text_offset
-        for pos, tid in zip(positions, token_ids):
-            sampled = pos.get(tid)
-            text = token_text(tok, tid, sampled.decoded_token if sampled else None)
+        for text, logprob, top in token_logprobs(self.engine.tokenizer, positions, token_ids, num_top):
             out.tokens.append(text)
-            out.token_logprobs.append(sampled.logprob if sampled else None)
+            out.token_logprobs.append(logprob)
             out.text_offset.append(offset)
             offset += len(text)
-            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
-            out.top_logprobs.append({token_text(tok, t, lp.decoded_token): lp.logprob for t, lp in top} or None)
+            out.top_logprobs.append(dict(top) or None)
         return out

@@ -1,21 +1,28 @@
-"""What both OpenAI endpoints share: model-name checks, batched prompts, SSE framing.
+"""What both OpenAI endpoints share: model-name checks, batched prompts, the response and SSE shells.
 
 One HTTP request becomes one engine request per prompt (the engine runs
 n > 1 as n children and gathers them), all feeding one `OutputStream`.
 Choice index of prompt `p`, sample `j`: `p * n + j`, as OpenAI numbers
-batched completions.
+batched completions. `OpenAIServing.full_response` and `stream_response`
+drive both endpoints; a handler supplies only its choices
+(`final_choice`, `stream_choices`) and its response type.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
+
+from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
-from tokenmill.entrypoints.openai.protocol import random_id
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo, random_id
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -95,6 +102,12 @@ class Submission:
         """Prompt tokens served from the prefix cache, over all prompts (`usage.prompt_tokens_details`)."""
         return sum(self.cached_tokens.values())
 
+    def usage(self) -> UsageInfo:
+        """The `usage` object of a response or of the last stream chunk: token counts so far."""
+        p, c = self.num_prompt_tokens(), self.num_completion_tokens()
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=self.num_cached_tokens()))
+
 
 # Sequences (prompts x n) one HTTP request may start: a bound on what one
 # client can make the server allocate, far above real batched requests.
@@ -102,7 +115,10 @@ MAX_SEQS_PER_REQUEST = 4096
 
 
 class OpenAIServing:
-    """Base of the completion and chat handlers.
+    """Base of the completion and chat handlers: checks, queueing, and the two response shells.
+
+    A handler sets `response_type` and `chunk_object` and implements
+    `start`, `final_choice` and `stream_choices`.
 
     Args:
         engine: the `EngineClient`.
@@ -110,6 +126,11 @@ class OpenAIServing:
         max_logprobs: largest logprobs / top_logprobs a request may ask for.
         max_n: largest `n` (default: the engine's max_num_seqs, else 128).
     """
+
+    # the model `full_response` returns (its fields: id, model, choices, usage)
+    response_type: ClassVar[type[BaseModel]]
+    # the `object` field of every stream chunk
+    chunk_object: ClassVar[str]
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], max_logprobs: int = 20,
                  max_n: int | None = None) -> None:
@@ -211,6 +232,55 @@ class OpenAIServing:
         return sub
 
 
+    def final_choice(self, req: Any, sub: Submission, choice: ChoiceState, comp: CompletionOutput) -> BaseModel:
+        """One choice of the full response from its finished output `comp`."""
+        raise NotImplementedError
+
+    def stream_choices(self, req: Any, sub: Submission) -> AsyncIterator[list[dict[str, Any]]]:
+        """Consume `sub.stream`; yield the `choices` list of each chunk to send."""
+        raise NotImplementedError
+
+    async def full_response(self, req: Any, response_id: str, model: str, sub: Submission) -> BaseModel:
+        """Wait for every choice to finish and build the response (`response_type`)."""
+        try:
+            async for out in sub.stream:
+                sub.record(out)
+        finally:
+            sub.stream.close()
+        choices = []
+        for c in sub.ordered_choices():
+            assert c.last is not None, "a finished request always has an output"
+            choices.append(self.final_choice(req, sub, c, c.last))
+        return self.response_type(id=response_id, model=model, choices=choices, usage=sub.usage())
+
+    async def stream_response(self, req: Any, response_id: str, model: str, sub: Submission) -> AsyncIterator[str]:
+        """SSE chunks: those of `stream_choices`, then the usage chunk when asked, then [DONE].
+
+        An error after the headers went out is reported in-band (`stream_error_body`), as vLLM does.
+        """
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            body: dict[str, Any] = {"id": response_id, "object": self.chunk_object, "created": created,
+                                    "model": model, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            async with aclosing(self.stream_choices(req, sub)) as chunks:
+                async for choices in chunks:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], sub.usage().model_dump())
+        except Exception as exc:  # noqa: BLE001 - after headers: report in-band
+            yield sse(stream_error_body(exc))
+        finally:
+            sub.stream.close()
+        yield SSE_DONE
+
+
 def _with_cache_salt(prompt: Any, cache_salt: str) -> dict[str, Any]:
     """A text / token-id / dict prompt as a dict prompt carrying `cache_salt`."""
     if isinstance(prompt, dict):
@@ -250,6 +320,23 @@ def stream_error_body(exc: Exception) -> dict[str, Any]:
 def finish_reason_text(reason: Any) -> str | None:
     """OpenAI's spelling of a finish reason ("stop", "length", "abort") or None."""
     return None if reason is None else str(reason)
+
+
+def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs], token_ids: list[int],
+                   num_top: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """Per generated token: (its text, its logprob or None when not reported, the top `num_top` (text, logprob)).
+
+    `positions[i]` is the logprob dict of token `token_ids[i]`; the top
+    alternatives are sorted by logprob, highest first.
+    """
+    out = []
+    for pos, tid in zip(positions, token_ids):
+        sampled = pos.get(tid)
+        text = token_text(tokenizer, tid, sampled.decoded_token if sampled else None)
+        top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
+        out.append((text, sampled.logprob if sampled else None,
+                    [(token_text(tokenizer, t, lp.decoded_token), lp.logprob) for t, lp in top]))
+    return out
 
 
 def token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:

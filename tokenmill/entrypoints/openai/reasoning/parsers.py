@@ -21,17 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenmill.entrypoints.openai.parser_registry import ParserRegistry
+
 START, END = "<think>", "</think>"
 
-_PARSERS: dict[str, type[ReasoningParser]] = {}
+_REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry("reasoning parser")
 
 
 def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        _PARSERS[name] = cls
-        return cls
-
-    return wrap
+    """Class decorator: make the parser available as `--reasoning-parser name`."""
+    return _REGISTRY.register(name)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
@@ -40,14 +39,11 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    cls = _PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"Unknown reasoning parser {name!r}; choose one of: {', '.join(sorted(_PARSERS))}.")
-    return cls
+    return _REGISTRY.get(name)
 
 
 def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
+    return _REGISTRY.names()
 
 
 @dataclass(slots=True)

@@ -112,6 +112,18 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> PartialParse:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def content_before(self, text: str, marker: str, final: bool) -> tuple[PartialParse, int]:
+        """The parse of the plain content before the first `marker`, and that marker's offset.
+
+        Without the marker the offset is -1 and all of `text` is content,
+        except while streaming (not `final`): a tail that could begin one of
+        `start_markers` is held back ("Hi <tool_" -> "Hi ").
+        """
+        first = text.find(marker)
+        if first < 0:
+            return PartialParse(text if final else text[: len(text) - held_back(text, self.start_markers)]), -1
+        return PartialParse(text[:first]), first
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         """Calls and remaining content of a finished output.
 

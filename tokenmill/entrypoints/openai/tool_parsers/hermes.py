@@ -15,7 +15,6 @@ from __future__ import annotations
 from tokenmill.entrypoints.openai.tool_parsers.abstract import (
     PartialParse,
     ToolParser,
-    held_back,
     json_call_from_object,
     scan_json_value,
 )
@@ -30,11 +29,7 @@ class HermesToolParser(ToolParser):
     start_markers = (START,)
 
     def parse(self, text: str, final: bool) -> PartialParse:
-        first = text.find(START)
-        if first < 0:
-            return PartialParse(text if final else text[: len(text) - held_back(text, self.start_markers)])
-        out = PartialParse(text[:first])
-        pos = first
+        out, pos = self.content_before(text, START, final)
         while pos >= 0:
             body_start = pos + len(START)
             close = text.find(END, body_start)

@@ -16,7 +16,6 @@ from tokenmill.entrypoints.openai.tool_parsers.abstract import (
     PartialParse,
     PartialToolCall,
     ToolParser,
-    held_back,
     json_call_from_object,
     scan_json_value,
 )
@@ -34,10 +33,9 @@ class MistralToolParser(ToolParser):
     needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> PartialParse:
-        first = text.find(TOOL_CALLS)
+        out, first = self.content_before(text, TOOL_CALLS, final)
         if first < 0:
-            return PartialParse(text if final else text[: len(text) - held_back(text, self.start_markers)])
-        out = PartialParse(text[:first])
+            return out
         body = text[first + len(TOOL_CALLS):]
         stripped = body.lstrip()
         if not stripped:

@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract import PartialParse, PartialToolCall, ToolParser, held_back
+from tokenmill.entrypoints.openai.tool_parsers.abstract import PartialParse, PartialToolCall, ToolParser
 from tokenmill.entrypoints.openai.tool_parsers.registry import register_tool_parser
 
 START, END = "<tool_call>", "</tool_call>"
@@ -37,11 +37,7 @@ class Qwen3CoderToolParser(ToolParser):
     start_markers = (START,)
 
     def parse(self, text: str, final: bool) -> PartialParse:
-        first = text.find(START)
-        if first < 0:
-            return PartialParse(text if final else text[: len(text) - held_back(text, self.start_markers)])
-        out = PartialParse(text[:first])
-        pos = first
+        out, pos = self.content_before(text, START, final)
         while pos >= 0:
             close = text.find(END, pos)
             block = text[pos + len(START): close if close >= 0 else len(text)]

@@ -5,18 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-_PARSERS: dict[str, type] = {}
+from tokenmill.entrypoints.openai.parser_registry import ParserRegistry
+
+_REGISTRY: ParserRegistry[type] = ParserRegistry("tool call parser")
 
 
 def register_tool_parser(*names: str) -> Callable[[type], type]:
     """Class decorator: make the parser available under `names`."""
-
-    def wrap(cls: type) -> type:
-        for n in names:
-            _PARSERS[n] = cls
-        return cls
-
-    return wrap
+    return _REGISTRY.register(*names)
 
 
 def get_tool_parser(name: str) -> type:
@@ -27,16 +23,13 @@ def get_tool_parser(name: str) -> type:
     """
     import tokenmill.entrypoints.openai.tool_parsers  # noqa: F401 - registers the built-in parsers
 
-    cls = _PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"Unknown tool call parser {name!r}; choose one of: {', '.join(sorted(_PARSERS))}.")
-    return cls
+    return _REGISTRY.get(name)
 
 
 def tool_parser_names() -> list[str]:
     import tokenmill.entrypoints.openai.tool_parsers  # noqa: F401
 
-    return sorted(_PARSERS)
+    return _REGISTRY.names()
 
 
 def make_tool_parser(name: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> Any:
