@@ -19,7 +19,7 @@ import os
 import socket
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.configs import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.abstract import Executor
 
