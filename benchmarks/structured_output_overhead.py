@@ -29,9 +29,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from tokenmill.core.request import Request
 from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Request
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output.backend import GrammarBackend
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -71,7 +72,7 @@ class _Scheduler:
 
 def grammar_overhead(steps: int) -> dict[str, float]:
     """Mean/median ms per step of fill, apply and accept for BATCH live requests."""
-    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.frontend.tokenizer import load_tokenizer
     from tokenmill.model_loader.source import bundled_gguf_path
 
     tok = load_tokenizer(bundled_gguf_path())
@@ -144,7 +145,7 @@ def grammar_overhead(steps: int) -> dict[str, float]:
 
 
 def _request(rid: str, so: dict) -> tuple[Request, object]:
-    params = SamplingParams(max_tokens=64, extra_args={"structured_outputs": so})
+    params = SamplingParams(max_tokens=64, structured_outputs=StructuredOutputsParams(**so))
     req = Request(EngineCoreRequest(rid, [1], params), 64)
     return req, StructuredOutputManager.spec_of(req)
 
@@ -159,10 +160,10 @@ def e2e_step_times() -> dict[str, float]:
                                        tokenize=False, add_generation_prompt=True) for i in range(BATCH)]
     schema = _specs(1)[0]["json"]
     out = {}
-    for label, extra in (("plain", None), ("json_schema", {"structured_outputs": {"json": schema}})):
+    for label, so in (("plain", None), ("json_schema", StructuredOutputsParams(json=schema))):
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
-            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=extra is None, extra_args=extra)
+            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=so is None, structured_outputs=so)
             engine.add_request(f"{label}-{i}", p, params)
         steps, decode_times = 0, []
         core = engine.engine_core

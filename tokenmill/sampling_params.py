@@ -16,6 +16,39 @@ from typing import Any
 _SAMPLING_EPS = 1e-5
 
 
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What shape the output must take (vLLM's `StructuredOutputsParams` fields).
+
+    Set exactly one of the five constraint fields:
+        json: a JSON schema (dict or JSON text); the output is one JSON value
+            valid against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these (non-empty) strings.
+        grammar: EBNF (GBNF, `root ::= ...`) or Lark grammar text.
+        json_object: True: any JSON object.
+
+    reasoning_end_token_ids (tokenmill; set by the server's reasoning parser,
+    not by users): token ids that end the model's thinking ("</think>"); the
+    constraint applies only after them.
+
+    Checked when the request is built (`structured_output.spec.get_spec`):
+    none or several constraints, or an invalid schema / regex / grammar, is a
+    `ValueError` (HTTP 400).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    reasoning_end_token_ids: list[int] | None = None
+
+
+# vLLM's older name for the same parameters (`SamplingParams(guided_decoding=...)`).
+GuidedDecodingParams = StructuredOutputsParams
+
+
 class RequestOutputKind(IntEnum):
     """What each `RequestOutput` carries while a request runs."""
 
@@ -60,6 +93,12 @@ class SamplingParams:
         logit_bias: token id -> bias added to its logit (OpenAI semantics, [-100, 100]).
         allowed_token_ids: if set, only these tokens can be sampled.
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY outputs while running.
+        structured_outputs: constrain the output to a JSON schema, regex,
+            choice list or grammar (`StructuredOutputsParams`; a dict with its
+            field names is converted).
+        guided_decoding: vLLM's older name for structured_outputs; moved there
+            by `__post_init__` (setting both is an error).
+        extra_args: opaque extra arguments (none are read by tokenmill).
 
     Raises:
         ValueError: from `__post_init__`, with a sentence naming the field,
@@ -89,7 +128,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Extra arguments for later features (structured output, ...); opaque here.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # alias, moved to structured_outputs
+    # Opaque extra arguments (vLLM's field); tokenmill reads none of them.
     extra_args: dict[str, Any] | None = None
     # Filled by the engine: EOS and generation-config stop ids. Not user-set.
     all_stop_token_ids: set[int] = field(default_factory=set)
@@ -103,6 +144,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._take_structured_outputs()
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None and self.seed < 0:
@@ -110,6 +152,26 @@ class SamplingParams:
             self.seed = self.seed & 0xFFFF_FFFF_FFFF_FFFF
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _take_structured_outputs(self) -> None:
+        """Normalize structured_outputs: accept a dict and the guided_decoding alias."""
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Set structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            names = set(StructuredOutputsParams.__slots__)
+            unknown = sorted(set(so) - names)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) {unknown}; "
+                                 f"use {', '.join(sorted(names))}.")
+            self.structured_outputs = StructuredOutputsParams(**so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
+        if self.extra_args and "structured_outputs" in self.extra_args:
+            raise ValueError('Structured output is the typed field SamplingParams.structured_outputs, not '
+                             'extra_args["structured_outputs"]; pass structured_outputs=StructuredOutputsParams(...).')
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -116,7 +116,7 @@ class StepRecorder:
         self.executor = llm.llm_engine.engine_core.executor
         self._inner = self.executor.execute_model
         self.executor.execute_model = self._execute
-        if hasattr(self.executor, "execute_model_async"):  # async scheduling launches steps through this one
+        if self.executor.supports_async:  # async scheduling launches steps through this one
             self._inner_async = self.executor.execute_model_async
             self.executor.execute_model_async = self._execute_async
         self.cuda = llm.llm_engine.engine_config.device_config.device == "cuda"

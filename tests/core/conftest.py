@@ -7,9 +7,10 @@ import itertools
 import pytest
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.request import Request
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.request import EngineCoreRequest, Request
+from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

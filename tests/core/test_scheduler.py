@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from tokenmill.request import FinishReason, RequestStatus
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.messages import FinishReason
 
 
 def all_blocks_free(sched) -> bool:

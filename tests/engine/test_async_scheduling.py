@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams
 
 LENGTHS = [3, 17, 40, 64, 5, 33, 90, 12]
 
@@ -218,10 +219,11 @@ def test_reused_request_id_gets_only_its_own_tokens(tiny_dir, abort):
     ({"presence_penalty": 0.5}, True),
     ({"frequency_penalty": 0.5}, True),
     ({"min_tokens": 4}, True),
-    ({"extra_args": {"structured_outputs": {"choice": ["a", "b"]}}}, True),
+    ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])}, True),
 ])
 def test_which_requests_need_synchronous_steps(kwargs, sync):
-    from tokenmill.request import EngineCoreRequest, Request
+    from tokenmill.core.request import Request
+    from tokenmill.engine.messages import EngineCoreRequest
 
     req = Request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=5, **kwargs)), max_tokens=5)
     assert req.needs_sync is sync

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_tokens_one_by_one
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer, decode_tokens_one_by_one
 
 TEXTS = ["Tiếng Việt có dấu", "你好，世界", "👍🏽🎉", "mixed: ả 你 🎉 end"]
 

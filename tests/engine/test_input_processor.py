@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.input_processor import InputProcessor, get_default_sampling_kwargs, get_prompt_text
+from tokenmill.frontend.input_processor import InputProcessor, get_default_sampling_kwargs, get_prompt_text
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.engine.core import EngineCore, check_kv_cache_fits
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.core.sched_output import ModelRunnerOutput
+from tokenmill.engine.core import EngineCore, check_kv_cache_fits
+from tokenmill.executor.abstract import Executor
+from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 SCRIPT = " The capital of France is Paris. It is a city of light and love and food."
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(Executor):
     """Emits the tokens of SCRIPT in order for every request, whatever the prompt."""
 
     num_blocks = 64

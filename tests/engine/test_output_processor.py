@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.parallel_sampling import make_child_requests
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.parallel_sampling import make_child_requests
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from tokenmill.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 
 
 def make_config(mode: str = "ok") -> SimpleNamespace:

@@ -13,8 +13,8 @@ import asyncio
 import json
 from typing import Any
 
+from tokenmill.engine.messages import SchedulerStats
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.request import SchedulerStats
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -118,7 +118,7 @@ class FakeEngine:
             stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done))
         stream.hang = prompt == "hang"
         if prompt == "die":  # the core dies after the first output
-            from tokenmill.engine.core_client import EngineDeadError
+            from tokenmill.frontend.core_client import EngineDeadError
 
             stream.items[1:] = [EngineDeadError("core process exited")]
         return stream

@@ -44,8 +44,8 @@ def test_no_command_prints_help(capsys):
 
 
 def test_engine_startup_error_is_printed_and_exits_1(monkeypatch, capsys):
-    from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.engine.core_client import EngineStartupError
+    from tokenmill.frontend.async_llm import AsyncLLM
+    from tokenmill.frontend.core_client import EngineStartupError
 
     async def failing(cls, engine_args, usage="server"):
         assert usage == "server" and engine_args.model == "m.gguf"

@@ -9,15 +9,19 @@ import time
 import pytest
 from fake_core import make_config
 
-from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
-from tokenmill.engine.serial import MessageKind, decode_outputs, decode_request, encode_outputs, encode_request
-from tokenmill.request import (
+from tokenmill.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    MessageKind,
     SchedulerStats,
+    decode_outputs,
+    decode_request,
+    encode_outputs,
+    encode_request,
 )
+from tokenmill.frontend.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 FAKE = "fake_core:FakeCore"

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 from fake_engine import FakeEngine, _scope
 
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware, resolve_api_keys
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.outputs import RequestMetrics
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 async def _raw_call(app, method: str, path: str, body: bytes = b"", headers: list | None = None,

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from tokenmill.config import EngineArgs
-from tokenmill.config_resolve import _resolve_dtype, default_scheduler_limits
+from tokenmill.config.resolve import _resolve_dtype, default_scheduler_limits
 from tokenmill.platforms.cuda import CudaPlatform
 
 

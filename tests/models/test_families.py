@@ -154,9 +154,9 @@ class _FakeGpu:
 
 
 def test_fp16_unsafe_models_avoid_auto_float16(caplog):
-    from tokenmill.config_resolve import _resolve_dtype
+    from tokenmill.config.resolve import _resolve_dtype
 
-    caplog.set_level(logging.INFO, logger="tokenmill.config_resolve")
+    caplog.set_level(logging.INFO, logger="tokenmill.config.resolve")
     assert _resolve_dtype("auto", _FakeGpu(bf16=True), "Gemma3ForCausalLM") == torch.bfloat16
     assert _resolve_dtype("auto", _FakeGpu(bf16=False), "Gemma3ForCausalLM") == torch.float32
     assert "overflows in float16" in caplog.text

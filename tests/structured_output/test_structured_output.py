@@ -18,15 +18,10 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from tokenmill.core.request import Request
 from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
-from tokenmill.request import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-    Request,
-)
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output.backend import GrammarBackend
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows, unpack_bitmask
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -41,14 +36,14 @@ EOS = 2
 
 
 @pytest.mark.parametrize("bad", [
-    {"structured_outputs": {"json": {"type": "objekt"}}},
-    {"structured_outputs": {"json": "{not json"}},
-    {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": 5}}}}},
-    {"structured_outputs": {"regex": "a(b"}},
-    {"structured_outputs": {"grammar": "root ::= (\"a\""}},
-    {"structured_outputs": {"choice": []}},
-    {"structured_outputs": {"choice": ["a"], "regex": "b"}},
-    {"structured_outputs": "json"},
+    StructuredOutputsParams(json={"type": "objekt"}),
+    StructuredOutputsParams(json="{not json"),
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": 5}}}),
+    StructuredOutputsParams(regex="a(b"),
+    StructuredOutputsParams(grammar="root ::= (\"a\""),
+    StructuredOutputsParams(choice=[]),
+    StructuredOutputsParams(choice=["a"], regex="b"),
+    StructuredOutputsParams(),
 ])
 def test_invalid_specs_are_value_errors(bad):
     with pytest.raises(ValueError):
@@ -56,21 +51,45 @@ def test_invalid_specs_are_value_errors(bad):
 
 
 def test_spec_kinds_and_key_keeps_property_order():
-    spec = get_spec({"structured_outputs": {"json": {"properties": {"z": {}, "a": {}}, "type": "object"}}})
+    spec = get_spec(StructuredOutputsParams(json={"properties": {"z": {}, "a": {}}, "type": "object"}))
     assert spec.kind == "json" and list(json.loads(spec.value)["properties"]) == ["z", "a"]
-    assert get_spec({"structured_outputs": {"choice": ["x", "y"]}}).choices() == ["x", "y"]
-    assert get_spec(None) is None and get_spec({"other": 1}) is None
-    assert validate_structured_outputs({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}).kind == "grammar"
-    assert validate_structured_outputs({"structured_outputs": {"grammar": 'start: "a" | "b"'}}).kind == "grammar"
+    assert get_spec(StructuredOutputsParams(choice=["x", "y"])).choices() == ["x", "y"]
+    assert get_spec(None) is None
+    assert validate_structured_outputs(StructuredOutputsParams(grammar='root ::= "a" | "b"')).kind == "grammar"
+    assert validate_structured_outputs(StructuredOutputsParams(grammar='start: "a" | "b"')).kind == "grammar"
+
+
+def test_sampling_params_structured_outputs_field():
+    so = StructuredOutputsParams(regex="[0-9]+")
+    assert SamplingParams(structured_outputs=so).structured_outputs is so
+    old = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))  # vLLM's older name
+    assert old.structured_outputs == StructuredOutputsParams(choice=["a", "b"]) and old.guided_decoding is None
+    assert SamplingParams(structured_outputs={"json_object": True}).structured_outputs == \
+        StructuredOutputsParams(json_object=True)
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(structured_outputs=so, guided_decoding=so)
+    with pytest.raises(ValueError, match="unknown field"):
+        SamplingParams(structured_outputs={"json_schema": {}})
+    with pytest.raises(ValueError, match="typed field"):
+        SamplingParams(extra_args={"structured_outputs": {"regex": "a"}})
+
+
+def test_structured_outputs_cross_the_process_boundary():
+    from tokenmill.engine.messages import decode_request, encode_request
+
+    so = StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[7, 8])
+    req = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=so))
+    assert decode_request(encode_request(req)).sampling_params.structured_outputs == so
 
 
 def test_response_format_conversion():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    assert structured_outputs_from_fields(rf) == {"json": schema}
-    assert structured_outputs_from_fields({"type": "json_object"}) == {"json_object": True}
+    assert structured_outputs_from_fields(rf) == StructuredOutputsParams(json=schema)
+    assert structured_outputs_from_fields({"type": "json_object"}) == StructuredOutputsParams(json_object=True)
     assert structured_outputs_from_fields({"type": "text"}) is None
-    assert structured_outputs_from_fields(None, None, {"guided_regex": "[0-9]+"}) == {"regex": "[0-9]+"}
+    assert structured_outputs_from_fields(None, None, {"guided_regex": "[0-9]+"}) == \
+        StructuredOutputsParams(regex="[0-9]+")
     with pytest.raises(ValueError, match="one way only"):
         structured_outputs_from_fields({"type": "json_object"}, {"regex": "a"})
     with pytest.raises(ValueError, match="response_format.type"):
@@ -116,7 +135,7 @@ def test_grammar_rows_align_with_sampling_rows():
 
 @pytest.fixture(scope="module")
 def backend(smollm2_gguf):
-    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_gguf)
     return tok, GrammarBackend(tok, VOCAB, [EOS])
@@ -136,7 +155,7 @@ def _manager(backend) -> StructuredOutputManager:
 
 
 def _request(req_id: str, so: dict, max_tokens: int = 120) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, extra_args={"structured_outputs": so})
+    params = SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**so))
     return Request(EngineCoreRequest(req_id, [1, 2, 3], params), max_tokens)
 
 
@@ -231,8 +250,8 @@ def test_grammar_waits_for_the_end_of_reasoning(backend):
     tok, be = backend
     mgr = _manager(be)
     end_ids = tok.encode("</think>", add_special_tokens=False)
-    params = SamplingParams(max_tokens=50, extra_args={"structured_outputs": {"regex": "[0-9]+"},
-                                                       "structured_outputs_after_reasoning": end_ids})
+    params = SamplingParams(max_tokens=50, structured_outputs=StructuredOutputsParams(
+        regex="[0-9]+", reasoning_end_token_ids=end_ids))
     req = Request(EngineCoreRequest("t", [1, 2], params), 50)
     mgr.submit(req, mgr.spec_of(req))
     while mgr.has_pending():

@@ -19,7 +19,7 @@ from fake_engine import FakeEngine, FakeStream, asgi_call
 
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 SCRIPT = ('Weighing it.</think>Let me look.<tool_call>\n{"name": "get_time", "arguments": {"tz": "Asia/Tōkyō"}}'
           '\n</tool_call>')
@@ -98,7 +98,7 @@ def test_named_tool_choice_sets_the_grammar_and_returns_the_call():
     status, raw = _post(app, body)
     assert status == 200, raw
     (_, params), = engine.requests.values()
-    assert params.extra_args == {"structured_outputs": {"json": TOOLS[0]["function"]["parameters"]}}
+    assert params.structured_outputs == StructuredOutputsParams(json=TOOLS[0]["function"]["parameters"])
     choice = json.loads(raw)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
@@ -128,4 +128,4 @@ def test_response_format_reaches_the_sampling_params():
                             "response_format": {"type": "json_object"}})
     assert status == 200
     (_, params), = engine.requests.values()
-    assert params.extra_args == {"structured_outputs": {"json_object": True}}
+    assert params.structured_outputs == StructuredOutputsParams(json_object=True)

@@ -16,6 +16,7 @@ from tokenmill.entrypoints.openai.tool_parsers.chat_tools import (
     plan_tools,
     render_with_tools,
 )
+from tokenmill.sampling_params import StructuredOutputsParams
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -62,7 +63,7 @@ def test_forced_schemas_accept_exactly_the_calls():
     assert named == {"json": TOOLS[0]["function"]["parameters"]}
     with pytest.raises(ValueError, match="cannot be combined"):
         apply_forced_tool_choice(plan_tools(TOOLS, "required", False, None),
-                                 {"structured_outputs": {"json_object": True}})
+                                 StructuredOutputsParams(json_object=True))
 
 
 class _Tok:
@@ -167,12 +168,12 @@ def test_grammar_starts_after_reasoning_unless_the_prompt_closed_it():
     cfg = ChatAgentConfig(reasoning_parser="qwen3")
     req = SimpleNamespace(tools=None, tool_choice=None)
     msgs = [{"role": "user", "content": "hi"}]
-    params = SamplingParams(extra_args={"structured_outputs": {"json_object": True}})
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
     cfg.prepare(_Engine("assistant\n<think>\n"), req, msgs, params)
-    assert params.extra_args["structured_outputs_after_reasoning"] == [ord(c) for c in "</think>"]
-    params = SamplingParams(extra_args={"structured_outputs": {"json_object": True}})
+    assert params.structured_outputs.reasoning_end_token_ids == [ord(c) for c in "</think>"]
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
     cfg.prepare(_Engine("assistant\n<think>\n\n</think>\n\n"), req, msgs, params)  # enable_thinking: false
-    assert "structured_outputs_after_reasoning" not in params.extra_args
+    assert params.structured_outputs.reasoning_end_token_ids is None
     plain = SamplingParams()
     cfg.prepare(_Engine("assistant\n"), req, msgs, plain)
-    assert plain.extra_args is None
+    assert plain.structured_outputs is None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.kv_cache_utils import update_block_hashes
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 
 class KVCacheManager:

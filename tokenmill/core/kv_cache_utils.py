@@ -24,7 +24,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 # Protocol fixed so the bytes (and so the hashes) never depend on the Python default.
 _PICKLE_PROTOCOL = 4

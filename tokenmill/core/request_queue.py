@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 
 class FCFSRequestQueue:

@@ -60,11 +60,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config.configs import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, Request, RequestStatus, SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 class Scheduler:

@@ -22,27 +22,29 @@ Used in-process by `LLMEngine` and in its own process by the server
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import kv_memory_hint
+from tokenmill.config.configs import EngineConfig, kv_memory_hint
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.request import (
+from tokenmill.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    Request,
-    RequestStatus,
     SchedulerStats,
 )
 from tokenmill.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from tokenmill.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
 
 
-def kv_cache_bytes_per_block(engine_config: Any) -> int:
+def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     """Bytes one KV block takes over all layers (K and V), for the start-up log.
 
     2 * num_layers * block_size * num_kv_heads * head_dim * bytes(dtype), the
@@ -79,7 +81,7 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, me
         )
 
 
-def _executor_class(engine_config: Any) -> type:
+def _executor_class(engine_config: EngineConfig) -> type[Executor]:
     from tokenmill.executor import get_executor_class
 
     return get_executor_class(engine_config.parallel_config)
@@ -97,7 +99,7 @@ class EngineCore:
         ValueError: the KV cache cannot hold one max_model_len sequence.
     """
 
-    def __init__(self, engine_config: Any, executor_class: type | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.engine_config = engine_config
         cache = engine_config.cache_config
         sched_cfg = engine_config.scheduler_config
@@ -112,7 +114,7 @@ class EngineCore:
                             kv_memory_hint(cache, engine_config.device_config.device))
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
-        if sched_cfg.async_scheduling and not hasattr(self.executor, "execute_model_async"):
+        if sched_cfg.async_scheduling and not self.executor.supports_async:
             logger.info("async scheduling off: the executor runs steps synchronously")
             sched_cfg.async_scheduling = False
         self.scheduler = Scheduler(sched_cfg, cache, num_blocks)

@@ -23,12 +23,22 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from tokenmill.engine.serial import MessageKind, decode_obj, decode_request, encode_obj, encode_outputs
-from tokenmill.request import EngineCoreOutputs, RequestStatus
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.messages import (
+    EngineCoreOutputs,
+    MessageKind,
+    decode_obj,
+    decode_request,
+    encode_obj,
+    encode_outputs,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +82,7 @@ def core_num_threads(num_cpus: int | None = None, device: str = "cpu") -> int:
     return max(1, num_cpus - 1)
 
 
-def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_threads: int,
+def run_engine_core(engine_config: EngineConfig, input_addr: str, output_addr: str, num_threads: int,
                     core_class: str = "tokenmill.engine.core:EngineCore") -> None:
     """Process entry point (spawned): build the core, handshake, serve until told to stop.
 
@@ -118,7 +128,7 @@ def run_engine_core(engine_config: Any, input_addr: str, output_addr: str, num_t
         os._exit(0)
 
 
-def _build_core(engine_config: Any, num_threads: int, out_sock: zmq.Socket, core_class: str) -> Any | None:
+def _build_core(engine_config: EngineConfig, num_threads: int, out_sock: zmq.Socket, core_class: str) -> Any | None:
     """Create the core; on failure send STARTUP_ERROR and return None."""
     try:
         import importlib

@@ -60,8 +60,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server; returns the process exit code (1 when the engine cannot start)."""
-    from tokenmill.engine.core_client import EngineStartupError
     from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.frontend.core_client import EngineStartupError
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         print(f"Error: two different models given: {args.model_tag!r} and --model {args.model!r}.", file=sys.stderr)

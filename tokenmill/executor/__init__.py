@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.config import ParallelConfig
+from tokenmill.config.configs import ParallelConfig
 
 _BACKENDS = ("mp", "ray", "uni")
 

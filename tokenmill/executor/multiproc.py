@@ -26,7 +26,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.configs import EngineConfig
 from tokenmill.distributed.init import get_open_port, set_nccl_env_defaults
 from tokenmill.executor.abstract import DistributedExecutor
 

@@ -19,7 +19,7 @@ import os
 import socket
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.configs import EngineConfig
 from tokenmill.executor.abstract import DistributedExecutor, output_rank
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.configs import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.abstract import Executor
 from tokenmill.worker.model_runner import AsyncModelRunnerOutput
@@ -13,6 +13,8 @@ from tokenmill.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     """Builds the worker, its device and its model at construction."""
+
+    supports_async = True
 
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
+from tokenmill.config.configs import ModelConfig
 from tokenmill.layers.cpu_weights import pack_cpu_linear_weights
 from tokenmill.layers.ops import cpu_elementwise
 from tokenmill.model_loader.dummy import initialize_dummy_weights

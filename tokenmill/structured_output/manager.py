@@ -24,13 +24,17 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tokenmill.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from tokenmill.structured_output.backend import GrammarBackend, bitmask_width
-from tokenmill.structured_output.spec import REASONING_END_KEY, StructuredOutputSpec, get_spec
+from tokenmill.structured_output.spec import StructuredOutputSpec, get_spec
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class StructuredOutputManager:
             thread (tests pass one built from a tiny tokenizer).
     """
 
-    def __init__(self, engine_config: Any, backend_factory: Any = None) -> None:
+    def __init__(self, engine_config: EngineConfig, backend_factory: Any = None) -> None:
         self._model_config = engine_config.model_config
         self._max_rows = engine_config.scheduler_config.max_num_seqs
         self._backend_factory = backend_factory or self._default_backend
@@ -59,7 +63,7 @@ class StructuredOutputManager:
         # req_id -> xgrammar.GrammarMatcher of requests handed to the scheduler.
         self.matchers: dict[str, Any] = {}
         # req_id -> (reasoning-end token ids, recent output tail): requests still thinking; their
-        # grammar starts after the end sequence (see REASONING_END_KEY).
+        # grammar starts after the end sequence (`StructuredOutputsParams.reasoning_end_token_ids`).
         self.thinking: dict[str, tuple[list[int], list[int]]] = {}
         self._bitmask: np.ndarray | None = None  # [max_num_seqs, ceil(V / 32)] int32, made with the backend
         self._batch_matcher: Any = None
@@ -70,7 +74,7 @@ class StructuredOutputManager:
     # ---- set-up ---------------------------------------------------------------
 
     def _default_backend(self) -> GrammarBackend:
-        from tokenmill.engine.tokenizer import get_tokenizer
+        from tokenmill.frontend.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(self._model_config)
         if tokenizer is None:
@@ -95,7 +99,7 @@ class StructuredOutputManager:
 
     @staticmethod
     def spec_of(request: Request) -> StructuredOutputSpec | None:
-        return get_spec(request.sampling_params.extra_args)
+        return get_spec(request.sampling_params.structured_outputs)
 
     def submit(self, request: Request, spec: StructuredOutputSpec) -> None:
         """Start compiling `spec` for `request`; the request waits here until it is ready."""
@@ -129,7 +133,8 @@ class StructuredOutputManager:
                 failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
                 continue
             self.matchers[req_id] = self.backend().new_matcher(future.result())
-            end_ids = (request.sampling_params.extra_args or {}).get(REASONING_END_KEY)
+            so = request.sampling_params.structured_outputs
+            end_ids = so.reasoning_end_token_ids if so is not None else None
             if end_ids:
                 self.thinking[req_id] = (list(end_ids), [])
             ready.append(request)
@@ -231,7 +236,7 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _stop_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
+def _stop_token_ids(model_config: ModelConfig, tokenizer: Any) -> list[int]:
     """EOS of the tokenizer plus the generation config's eos_token_id(s)."""
     ids: set[int] = set()
     if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -1,4 +1,4 @@
-"""OpenAI `response_format` and vLLM `structured_outputs` request fields -> `extra_args`.
+"""OpenAI `response_format` and vLLM `structured_outputs` request fields -> `StructuredOutputsParams`.
 
     response_format {"type": "text"}                          -> nothing
     response_format {"type": "json_object"}                   -> {"json_object": True}
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.structured_output.spec import EXTRA_ARGS_KEY, KINDS, validate_structured_outputs
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.spec import KINDS, validate_structured_outputs
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def structured_outputs_from_fields(response_format: Any = None, structured_outputs: Any = None,
-                                   guided: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The `structured_outputs` dict a request asks for, or None.
+                                   guided: dict[str, Any] | None = None) -> StructuredOutputsParams | None:
+    """The `SamplingParams.structured_outputs` a request asks for, or None.
 
     Args:
         response_format: OpenAI's field (dict or pydantic model dump).
@@ -49,9 +50,9 @@ def structured_outputs_from_fields(response_format: Any = None, structured_outpu
     if len(asked) > 1:
         raise ValueError("Ask for structured output one way only: response_format, structured_outputs or a "
                          "guided_* field.")
-    spec = asked[0]
-    validate_structured_outputs({EXTRA_ARGS_KEY: spec})
-    return spec
+    params = StructuredOutputsParams(**asked[0])
+    validate_structured_outputs(params)
+    return params
 
 
 def _response_format_spec(rf: Any) -> dict[str, Any] | None:
@@ -73,10 +74,3 @@ def _response_format_spec(rf: Any) -> dict[str, Any] | None:
             schema = {"type": "object"}  # OpenAI allows omitting it: any object
         return {"json": schema}
     raise ValueError(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}.')
-
-
-def with_structured_outputs(extra_args: dict[str, Any] | None, spec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`extra_args` with `spec` under the structured-outputs key (unchanged when spec is None)."""
-    if spec is None:
-        return extra_args
-    return {**(extra_args or {}), EXTRA_ARGS_KEY: spec}

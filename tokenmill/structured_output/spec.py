@@ -1,17 +1,17 @@
 """StructuredOutputSpec: what shape one request's output must take, parsed and checked.
 
-A request asks for structured output through
-`SamplingParams.extra_args["structured_outputs"]`, a plain dict with exactly
-one of vLLM's keys (the same names as vLLM's `StructuredOutputsParams`):
+A request asks for structured output through the typed field
+`SamplingParams.structured_outputs` (`StructuredOutputsParams`, vLLM's
+field names), with exactly one of:
 
-    {"json": <JSON schema dict or JSON text>}
-    {"json_object": True}                      any JSON object
-    {"regex": "<regular expression>"}
-    {"choice": ["yes", "no", ...]}             exactly one of these strings
-    {"grammar": "<EBNF (GBNF, 'root ::= ...') or Lark text>"}
+    json=<JSON schema dict or JSON text>
+    json_object=True                           any JSON object
+    regex="<regular expression>"
+    choice=["yes", "no", ...]                  exactly one of these strings
+    grammar="<EBNF (GBNF, 'root ::= ...') or Lark text>"
 
-The dict stays plain data (msgpack-safe) on its way to the engine core; this
-module turns it into a `StructuredOutputSpec` and checks it without a
+The params stay plain data (msgpack-safe) on their way to the engine core;
+this module turns them into a `StructuredOutputSpec` and checks it without a
 tokenizer, so a bad schema is a `ValueError` (HTTP 400) when the request is
 built, never an engine-core failure.
 """
@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-EXTRA_ARGS_KEY = "structured_outputs"
-# extra_args key: token ids that end the model's reasoning ("</think>"); the grammar applies after them.
-REASONING_END_KEY = "structured_outputs_after_reasoning"
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import StructuredOutputsParams
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -53,18 +53,16 @@ class StructuredOutputSpec:
         return json.loads(self.value)
 
 
-def get_spec(extra_args: dict[str, Any] | None) -> StructuredOutputSpec | None:
-    """The spec carried in `SamplingParams.extra_args`, or None when there is none.
+def get_spec(params: StructuredOutputsParams | None) -> StructuredOutputSpec | None:
+    """The spec that `SamplingParams.structured_outputs` asks for, or None when it is None.
 
     Raises:
-        ValueError: the dict names no kind or several, or a value has the wrong type.
+        ValueError: the params set no constraint or several, or a value has the wrong type.
     """
-    if not extra_args or extra_args.get(EXTRA_ARGS_KEY) is None:
+    if params is None:
         return None
-    raw = extra_args[EXTRA_ARGS_KEY]
-    if not isinstance(raw, dict):
-        raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}; got {raw!r}.")  # noqa: TRY004 - a user mistake: HTTP 400
-    present = [k for k in KINDS if raw.get(k) not in (None, False)]
+    raw = {k: getattr(params, k) for k in KINDS}
+    present = [k for k in KINDS if raw[k] not in (None, False)]
     if len(present) != 1:
         raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
                          f"{present or 'none'}.")
@@ -90,7 +88,7 @@ def get_spec(extra_args: dict[str, Any] | None) -> StructuredOutputSpec | None:
     return StructuredOutputSpec(kind, value)
 
 
-def validate_structured_outputs(extra_args: dict[str, Any] | None) -> StructuredOutputSpec | None:
+def validate_structured_outputs(params: StructuredOutputsParams | None) -> StructuredOutputSpec | None:
     """Parse and check the request's structured-output spec (the front end's request-time check).
 
     Returns:
@@ -99,7 +97,7 @@ def validate_structured_outputs(extra_args: dict[str, Any] | None) -> Structured
     Raises:
         ValueError: the spec is malformed or its schema/regex/grammar is invalid.
     """
-    spec = get_spec(extra_args)
+    spec = get_spec(params)
     if spec is not None:
         validate_spec(spec)
     return spec

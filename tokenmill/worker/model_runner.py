@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.selector import get_attn_backend
-from tokenmill.config import CPU_KV_CACHE_BYTES, EngineConfig, kv_memory_hint
+from tokenmill.config.configs import CPU_KV_CACHE_BYTES, EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate

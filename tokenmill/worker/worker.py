@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.configs import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.entrypoints.ollama.protocol import ChatRequest, GenerateRequest, OllamaOptions, ShowRequest
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output.request import structured_outputs_from_fields, with_structured_outputs
+from tokenmill.structured_output.request import structured_outputs_from_fields
 from tokenmill.version import get_version
 
 _UNSUPPORTED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")
@@ -117,7 +117,7 @@ class OllamaServing:
                 rf = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
             else:
                 raise ValueError(f'format must be "json" or a JSON schema object, got {fmt!r}.')
-            params.extra_args = with_structured_outputs(params.extra_args, structured_outputs_from_fields(rf))
+            params.structured_outputs = structured_outputs_from_fields(rf)
         return params
 
     def generate_prompt(self, req: GenerateRequest) -> list[int]:

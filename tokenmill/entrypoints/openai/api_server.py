@@ -244,10 +244,10 @@ async def run_server(args: Any) -> int:
     import uvicorn
 
     from tokenmill.config import EngineArgs
-    from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.entrypoints.openai.auth import resolve_api_keys
     from tokenmill.entrypoints.openai.metrics import vllm_names_from_env
     from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig, agent_kwargs
+    from tokenmill.frontend.async_llm import AsyncLLM
 
     engine_args = EngineArgs.from_cli_args(args)
     ChatAgentConfig(**agent_kwargs(args))  # bad tool/reasoning flags fail before the engine starts

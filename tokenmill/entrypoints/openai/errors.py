@@ -25,8 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from tokenmill.frontend.core_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tokenmill.request import EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

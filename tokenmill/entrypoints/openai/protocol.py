@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-from tokenmill.structured_output.request import structured_outputs_from_fields, with_structured_outputs
+from tokenmill.structured_output.request import structured_outputs_from_fields
 
 # Seeds are 64-bit (signed or unsigned) values, as vLLM accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -183,9 +183,9 @@ class _SamplingRequest(OpenAIModel):
             # Streams need every step's state; the server computes deltas
             # itself from cumulative outputs. Non-streaming wants one output.
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
-            extra_args=with_structured_outputs(None, structured_outputs_from_fields(
+            structured_outputs=structured_outputs_from_fields(
                 self.response_format, self.structured_outputs,
-                {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")})),
+                {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}),
         )
 
 

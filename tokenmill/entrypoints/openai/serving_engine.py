@@ -306,8 +306,8 @@ def stream_error_body(exc: Exception) -> dict[str, Any]:
     ValueError -> 400 (the request's fault), EngineDeadError -> 503, anything
     else -> 500 (logged: it is a bug).
     """
-    from tokenmill.engine.core_client import EngineDeadError
     from tokenmill.entrypoints.openai.errors import error_body
+    from tokenmill.frontend.core_client import EngineDeadError
 
     if isinstance(exc, ValueError):
         return error_body(str(exc), 400)

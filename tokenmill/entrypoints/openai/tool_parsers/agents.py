@@ -11,6 +11,7 @@ the request for the response side.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tokenmill.entrypoints.openai.reasoning.parsers import get_reasoning_parser
@@ -22,7 +23,6 @@ from tokenmill.entrypoints.openai.tool_parsers.chat_tools import (
 )
 from tokenmill.entrypoints.openai.tool_parsers.registry import get_tool_parser
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output.spec import EXTRA_ARGS_KEY, REASONING_END_KEY
 
 _PROMPT_TAIL_TOKENS = 16  # enough to see a trailing "<think>\n"
 
@@ -64,7 +64,7 @@ class ChatAgentConfig:
         plan = plan_tools(getattr(req, "tools", None), getattr(req, "tool_choice", None),
                           self.enable_auto_tool_choice, self.tool_call_parser)
         plan.parallel_tool_calls = getattr(req, "parallel_tool_calls", None) is not False
-        params.extra_args = apply_forced_tool_choice(plan, params.extra_args)
+        params.structured_outputs = apply_forced_tool_choice(plan, params.structured_outputs)
         tokenizer = getattr(engine, "tokenizer", None)
         parser = ChatOutputParser(plan, self.tool_call_parser, self.reasoning_parser, None, tokenizer)
         if parser.needs_special_tokens:
@@ -84,15 +84,15 @@ class ChatAgentConfig:
         `enable_thinking: false` renders `<think>\n\n</think>`): then the
         answer, under the grammar, starts at once.
         """
-        extra = params.extra_args or {}
-        if not extra.get(EXTRA_ARGS_KEY) or tokenizer is None:
+        so = params.structured_outputs
+        if so is None or tokenizer is None:
             return
         cls = get_reasoning_parser(self.reasoning_parser or "")
         tail = prompt_tail or ""
         if cls.end_token in tail and tail.rfind(cls.end_token) > tail.rfind(cls.start_token):
             return
         end_ids = list(tokenizer.encode(cls.end_token, add_special_tokens=False))
-        params.extra_args = {**extra, REASONING_END_KEY: end_ids}
+        params.structured_outputs = dataclasses.replace(so, reasoning_end_token_ids=end_ids)
 
 
 def _prompt_tail(prompt: Any, tokenizer: Any) -> str | None:

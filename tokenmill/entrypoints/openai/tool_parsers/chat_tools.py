@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.structured_output.spec import EXTRA_ARGS_KEY
+from tokenmill.sampling_params import StructuredOutputsParams
 
 FALLBACK_SYSTEM_PROMPT = (
     "You may call one or more functions to assist with the user query. The function signatures are within "
@@ -127,19 +127,20 @@ def forced_structured_outputs(plan: ToolPlan) -> dict[str, Any] | None:
     return None
 
 
-def apply_forced_tool_choice(plan: ToolPlan, extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`SamplingParams.extra_args` with the forcing grammar added.
+def apply_forced_tool_choice(plan: ToolPlan, structured_outputs: StructuredOutputsParams | None,
+                             ) -> StructuredOutputsParams | None:
+    """`SamplingParams.structured_outputs` with the forcing schema (unchanged when nothing is forced).
 
     Raises:
         ValueError: the request also asks for its own structured output.
     """
     spec = forced_structured_outputs(plan)
     if spec is None:
-        return extra_args
-    if extra_args and extra_args.get(EXTRA_ARGS_KEY):
+        return structured_outputs
+    if structured_outputs is not None:
         raise ValueError("A required or named tool_choice cannot be combined with response_format or "
                          "structured_outputs.")
-    return {**(extra_args or {}), EXTRA_ARGS_KEY: spec}
+    return StructuredOutputsParams(**spec)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.engine.detokenizer import decode_tokens_one_by_one
+from tokenmill.frontend.detokenizer import decode_tokens_one_by_one
 from tokenmill.outputs import Logprob, PositionLogprobs
 
 

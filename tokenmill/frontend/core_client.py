@@ -17,14 +17,24 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
+from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_proc import core_num_threads, run_engine_core
-from tokenmill.engine.serial import MessageKind, decode_obj, decode_outputs, encode_obj, encode_request
-from tokenmill.request import EngineCoreRequest, RequestStatus
+from tokenmill.engine.messages import (
+    EngineCoreRequest,
+    MessageKind,
+    decode_obj,
+    decode_outputs,
+    encode_obj,
+    encode_request,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ class EngineCoreClient:
     `client.add_request(req)`, `client.abort_requests(ids)`, `client.shutdown()`.
     """
 
-    def __init__(self, engine_config: Any, num_threads: int | None = None,
+    def __init__(self, engine_config: EngineConfig, num_threads: int | None = None,
                  core_class: str = "tokenmill.engine.core:EngineCore") -> None:
         self.engine_config = engine_config
         self.core_class = core_class

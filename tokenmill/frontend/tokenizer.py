@@ -17,7 +17,10 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None, revision: str | None
                          "or hub id.") from e
 
 
-def get_tokenizer(model_config: Any) -> Any | None:
+def get_tokenizer(model_config: ModelConfig) -> Any | None:
     """The tokenizer for `model_config` (a `ModelConfig`), or None with skip_tokenizer_init.
 
     `model_config.tokenizer` (the `--tokenizer` override, or the model's path)

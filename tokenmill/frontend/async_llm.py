@@ -18,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError
-from tokenmill.engine.input_processor import get_prompt_text
-from tokenmill.engine.parallel_sampling import make_child_requests
-from tokenmill.engine.serial import MessageKind
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.messages import EngineCoreOutputs, MessageKind, SchedulerStats
+from tokenmill.frontend.core_client import EngineCoreClient, EngineDeadError
+from tokenmill.frontend.input_processor import get_prompt_text
+from tokenmill.frontend.parallel_sampling import make_child_requests
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import EngineCoreOutputs, RequestStatus, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +48,12 @@ class AsyncLLM:
             before the first step).
     """
 
-    def __init__(self, engine_config: Any, client: EngineCoreClient | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, client: EngineCoreClient | None = None) -> None:
         import torch
 
-        from tokenmill.engine.input_processor import InputProcessor, get_default_sampling_kwargs
-        from tokenmill.engine.output_processor import OutputProcessor
-        from tokenmill.engine.tokenizer import get_tokenizer
+        from tokenmill.frontend.input_processor import InputProcessor, get_default_sampling_kwargs
+        from tokenmill.frontend.output_processor import OutputProcessor
+        from tokenmill.frontend.tokenizer import get_tokenizer
 
         # The core process does the math; the front end only needs one thread
         # so it does not compete with the core for the CPUs.
@@ -133,7 +136,7 @@ class AsyncLLM:
         Raises:
             ValueError: no template, or the template rejects the messages.
         """
-        from tokenmill.engine.tokenizer import apply_chat_template
+        from tokenmill.frontend.tokenizer import apply_chat_template
 
         template = chat_template if chat_template is not None else self.model_config.chat_template
         text = apply_chat_template(self.tokenizer, messages, chat_template=template,

@@ -16,11 +16,14 @@ whatever its params, gets the generation config's extra EOS ids as stop ids
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.request import EngineCoreRequest
+from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.spec import validate_structured_outputs
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import ModelConfig
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -35,7 +38,7 @@ _GEN_CONFIG_KEYS = {
 }
 
 
-def get_default_sampling_kwargs(model_config: Any) -> dict[str, Any]:
+def get_default_sampling_kwargs(model_config: ModelConfig) -> dict[str, Any]:
     """SamplingParams keyword defaults from the model's generation config ({} for "vllm").
 
     Only sampling fields are taken (temperature, top_p, top_k, min_p,
@@ -65,7 +68,7 @@ class InputProcessor:
         tokenizer: a transformers tokenizer, or None with skip_tokenizer_init.
     """
 
-    def __init__(self, model_config: Any, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len: int = model_config.max_model_len
@@ -165,7 +168,7 @@ class InputProcessor:
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"Requested {params.prompt_logprobs} prompt_logprobs, but at most {max_logprobs} "
                              "are allowed.")
-        validate_structured_outputs(params.extra_args)
+        validate_structured_outputs(params.structured_outputs)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("Stop strings need detokenized text; they cannot be used with skip_tokenizer_init or "
                              "detokenize=False (use stop_token_ids instead).")

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.logprobs import make_step_logprobs
-from tokenmill.engine.stop_checker import find_stop_string, stop_buffer_length
+from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.frontend.logprobs import make_step_logprobs
+from tokenmill.frontend.stop_checker import find_stop_string, stop_buffer_length
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from tokenmill.request import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 

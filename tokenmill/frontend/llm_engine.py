@@ -8,16 +8,21 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor, PromptType, get_default_sampling_kwargs, get_prompt_text
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.parallel_sampling import make_child_requests
-from tokenmill.engine.tokenizer import get_tokenizer
+from tokenmill.engine.messages import SchedulerStats
+from tokenmill.frontend.input_processor import InputProcessor, PromptType, get_default_sampling_kwargs, get_prompt_text
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.parallel_sampling import make_child_requests
+from tokenmill.frontend.tokenizer import get_tokenizer
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import RequestStatus, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig
+    from tokenmill.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ class LLMEngine:
             chunked-prefill steps, max running requests, prefix-cache hits).
     """
 
-    def __init__(self, engine_config: Any, executor_class: type | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.tokenizer = get_tokenizer(self.model_config)

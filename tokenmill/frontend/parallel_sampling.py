@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenmill.engine.output_processor import ParentRequest
-from tokenmill.request import EngineCoreRequest
+from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.frontend.output_processor import ParentRequest
 
 
 def child_request_id(index: int, parent_id: str) -> str:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import (
+from tokenmill.config.args import EngineArgs
+from tokenmill.config.configs import (
     CPU_KV_CACHE_BYTES,
     CacheConfig,
     DeviceConfig,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     ParallelConfig,

@@ -1,136 +1,23 @@
-"""Engine configuration: the user's arguments (`EngineArgs`) and the resolved configs.
+"""`EngineArgs`: exactly what a user passes, with vLLM's names.
 
-`EngineArgs` holds exactly what a user passes (CLI flags and `LLM(...)`
-keyword arguments share its field names, which are vLLM's). Resolving it
-(`EngineArgs.create_engine_config`) reads the model's config, picks the
-device and dtype, and fills per-device defaults. Errors are `ValueError`s
-with a sentence saying what to change.
+CLI flags and `LLM(...)` keyword arguments share its field names. Resolving
+it (`EngineArgs.create_engine_config`) reads the model's config, picks the
+device and dtype, and fills per-device defaults (`tokenmill.config.resolve`,
+imported lazily: it imports downward into the loader, platforms and
+executor). Errors are `ValueError`s with a sentence saying what to change.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB]?)?\s*$")
+from tokenmill.config.configs import parse_size
 
-
-def parse_size(value: str | int) -> int:
-    """Parse a byte count such as `4G`, `512M`, `1.5g` or `1073741824`.
-
-    As vLLM's `human_readable_int`: an upper-case suffix is binary (K = 1024),
-    a lower-case one decimal (k = 1000); `GiB`/`GB` spellings are accepted.
-
-    Raises:
-        ValueError: if the text is not a size.
-    """
-    if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"Cannot read {value!r} as a size in bytes; use e.g. 4G, 512M or 1073741824.")
-    num, unit, tail = float(m.group(1)), m.group(2), (m.group(3) or "")
-    if not unit:
-        return int(num)
-    power = "kmgt".index(unit.lower()) + 1
-    binary = unit.isupper() or tail.lower().startswith("i")
-    return int(num * ((1024 if binary else 1000) ** power))
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The model, resolved. `hf_config` is a transformers `PretrainedConfig`."""
-
-    model: str  # what the user passed (path, file or repo id)
-    model_path: str  # local folder or .gguf file actually loaded
-    gguf_file: str | None  # set when weights come from a GGUF file
-    tokenizer: str | None  # local path of the tokenizer (None with skip_tokenizer_init)
-    skip_tokenizer_init: bool
-    load_format: str  # auto | safetensors | gguf | dummy | pt
-    dtype: str  # resolved: float32 | float16 | bfloat16
-    seed: int
-    max_model_len: int
-    architecture: str
-    hf_config: Any
-    generation_config: dict[str, Any] = field(default_factory=dict)
-    served_model_name: str = ""
-    max_logprobs: int = 20
-    trust_remote_code: bool = False
-    revision: str | None = None
-    chat_template: str | None = None
-
-
-@dataclass(slots=True)
-class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # explicit KV size (CPU default 4 GiB)
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_gpu_blocks: int = 0  # filled after memory profiling
-
-
-CPU_KV_CACHE_BYTES = 4 * 1024**3  # the CPU default of --kv-cache-memory-bytes
-
-
-def kv_memory_hint(cache_config: CacheConfig, device: str) -> str:
-    """The flag that would give the KV cache more memory, with its current value (for error messages).
-
-    device: "cpu" or "cuda". Example: "raise --gpu-memory-utilization (now 0.9), or lower ...".
-    """
-    cc = cache_config
-    if cc.num_gpu_blocks_override is not None:
-        return f"raise --num-gpu-blocks-override (now {cc.num_gpu_blocks_override})"
-    if cc.kv_cache_memory_bytes is not None or device != "cuda":
-        now = cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
-        return f"raise --kv-cache-memory-bytes (now {now / 2**30:.2f} GiB)"
-    return (f"raise --gpu-memory-utilization (now {cc.gpu_memory_utilization}), or lower "
-            "--max-num-batched-tokens or --max-num-seqs (less activation memory)")
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # fcfs | priority
-    # Schedule step N+1 while step N runs (its sampled ids are read on the device).
-    async_scheduling: bool = False
-
-
-@dataclass(slots=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # mp | ray | uni
-    disable_custom_all_reduce: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-@dataclass(slots=True)
-class DeviceConfig:
-    device: str = "cpu"  # cpu | cuda
-    attention_backend: str | None = None  # TORCH_SDPA | TRITON_ATTN | None (auto)
-    enforce_eager: bool = False
-    # Simulate a compute-capability-7.0 GPU (fp16 only, no flash SDPA, sm_70
-    # Triton paths) on any CUDA device: env TOKENMILL_FORCE_CC70=1.
-    force_cc70: bool = False
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    parallel_config: ParallelConfig
-    device_config: DeviceConfig
+if TYPE_CHECKING:
+    from tokenmill.config.configs import EngineConfig
 
 
 @dataclass
@@ -246,7 +133,7 @@ class EngineArgs:
         Raises:
             ValueError: an argument is invalid for this model or device.
         """
-        from tokenmill.config_resolve import resolve_engine_config
+        from tokenmill.config.resolve import resolve_engine_config
 
         return resolve_engine_config(self, usage)
 
