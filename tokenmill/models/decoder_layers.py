@@ -191,7 +191,7 @@ class DecoderForCausalLM(nn.Module):
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> [N, vocab] float32. Must run inside
-    `tokenmill.forward_context.set_forward_context(...)`.
+    `tokenmill.attention.forward_context.set_forward_context(...)`.
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)

@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
     (model dtype); compute_logits(hidden [N, H]) -> [N, vocab_size] float32.
-    Must run inside `tokenmill.forward_context.set_forward_context(...)`.
+    Must run inside `tokenmill.attention.forward_context.set_forward_context(...)`.
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
