@@ -40,10 +40,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     from tokenmill.attention.backends.block_decode import block_decode_attention, plan_block_decode
-    from tokenmill.attention.ops import cpu_decode
+    from tokenmill.kernels.cpu import decode as cpu_decode
+    from tokenmill.kernels.cpu import elementwise as cpu_elementwise
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.layernorm import RMSNorm
-    from tokenmill.layers.ops import cpu_elementwise
     from tokenmill.layers.rotary import get_rope
 
     lib, elt = cpu_decode.load_kernel(), cpu_elementwise.load()

@@ -80,7 +80,7 @@ def plain_c_kernels(monkeypatch, tmp_path):
     loops run: a fresh build cache in tmp_path, load_library's per-process answers cleared."""
     import platform
 
-    from tokenmill.layers.ops import cpu_build
+    from tokenmill.kernels.cpu import build as cpu_build
 
     if platform.machine() not in ("x86_64", "AMD64") or cpu_build._compiler() is None:
         pytest.skip("needs an x86-64 C compiler")
@@ -95,7 +95,7 @@ def plain_c_kernels(monkeypatch, tmp_path):
 def require_cpu_kernel():
     """require(load, source) -> load()'s library. Skips only without a C compiler or with
     TOKENMILL_CPU_KERNELS=0; a compiler that fails on `source` fails the test with its error."""
-    from tokenmill.layers.ops import cpu_build
+    from tokenmill.kernels.cpu import build as cpu_build
 
     def require(load, source):
         compiler = cpu_build._compiler()

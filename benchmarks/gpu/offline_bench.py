@@ -327,7 +327,7 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> dict[str, Any] | Non
 
     try:
         if args.force_cc70:  # the same SDPA limits tokenmill applied for the simulated V100
-            from tokenmill.platforms.cuda_rules import apply_cc70_settings
+            from tokenmill.platforms.cuda import apply_cc70_settings
 
             apply_cc70_settings((7, 0))
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (tokenmill/attention/ops/cpu_decode*.py/.c) vs a float64 reference.
+"""The C decode-attention kernel (tokenmill/kernels/cpu/decode.py, decode_attention.c) vs a float64 reference.
 
 Shapes cover the vector path (head_dim 64 / 128, 1-8 query heads per KV
 head), the plain-C path (other head sizes and groups), partial blocks,
@@ -17,8 +17,8 @@ from tests.attention.test_block_decode import _reference  # the float64 referenc
 from tokenmill.attention.backends.block_decode import block_decode_attention, plan_block_decode
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.ops import cpu_decode
-from tokenmill.layers.ops import cpu_build
+from tokenmill.kernels.cpu import decode as cpu_decode
+from tokenmill.kernels.cpu import build as cpu_build
 
 POISON = 1e3  # finite junk in every slot no row owns: a leak would change the outputs a lot
 

@@ -5,7 +5,7 @@ llama3 RoPE scaling, SwiGLU 14336), Qwen3 per-head q/k norms on views of the
 fused qkv output, Gemma 3 (Gemma norms, head 256, GeGLU), a GPT-J-style
 partial rotary; float32, float16 and bfloat16; 1, 7 and 256 tokens.
 
-Expected (see tokenmill/layers/ops/): RoPE and the residual sum bit-exact;
+Expected (see tokenmill/kernels/triton/): RoPE and the residual sum bit-exact;
 RMSNorm within 2 ulp with nearly every element bit-equal (its sum of squares
 is reduced in another order than PyTorch's); the activations bit-equal
 where libdevice's expf/tanhf/erff equal the CUDA math library's PyTorch was
@@ -48,7 +48,7 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, min_exact: float = 
 
 
 def test_cuda_tensors_take_the_fused_path():
-    from tokenmill.layers.ops import use_fused_kernels
+    from tokenmill.kernels import use_fused_kernels
 
     assert use_fused_kernels(torch.ones(1, device=DEVICE)), "set TOKENMILL_DISABLE_FUSED_KERNELS? triton import?"
 
@@ -133,8 +133,8 @@ def test_act_and_mul(dtype, act, d, num_tokens):
 
 
 def test_disable_env_keeps_torch_ops(monkeypatch):
+    from tokenmill.kernels import _fused_kernels_available, use_fused_kernels
     from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.ops import _fused_kernels_available, use_fused_kernels
 
     x = _randn(3, 64, dtype=torch.bfloat16, seed=9)
     _fused_kernels_available.cache_clear()

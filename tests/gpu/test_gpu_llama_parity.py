@@ -31,8 +31,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention.forward_context import get_forward_context
 from tokenmill.config import EngineArgs
-from tokenmill.forward_context import get_forward_context
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -25,14 +25,14 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import triton
     from triton.backends.compiler import GPUTarget
-    from tokenmill.attention.ops.triton_attention_config import choose_launch_config
-    from tokenmill.attention.ops.triton_paged_attention import paged_attention_kernel
-    from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache_kernel
-    from tokenmill.attention.ops.triton_merge_splits import merge_splits_kernel
-    from tokenmill.platforms.cuda_rules import triton_launch_settings
-    from tokenmill.layers.ops.triton_rms_norm import rms_norm_kernel
-    from tokenmill.layers.ops.triton_rotary import rotary_kernel
-    from tokenmill.layers.ops.triton_activation import act_and_mul_kernel
+    from tokenmill.kernels.triton.activation import act_and_mul_kernel
+    from tokenmill.kernels.triton.attention_config import choose_launch_config
+    from tokenmill.kernels.triton.merge_splits import merge_splits_kernel
+    from tokenmill.kernels.triton.paged_attention import paged_attention_kernel
+    from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache_kernel
+    from tokenmill.kernels.triton.rms_norm import rms_norm_kernel
+    from tokenmill.kernels.triton.rotary import rotary_kernel
+    from tokenmill.platforms.cuda import triton_launch_settings
 
     def sig_of(kernel, pointers, floats, constexprs):
         sig = {}

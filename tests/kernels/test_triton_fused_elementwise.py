@@ -20,14 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers import activation, layernorm, rotary
+from tokenmill import kernels
+from tokenmill.kernels import _fused_kernels_available, use_fused_kernels
+from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul
+from tokenmill.kernels.triton.numerics import round_code, round_to
+from tokenmill.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from tokenmill.kernels.triton.rotary import rotary_embedding
 from tokenmill.layers.activation import GeluAndMul, SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.ops import _fused_kernels_available, use_fused_kernels
-from tokenmill.layers.ops.triton_activation import gelu_and_mul, silu_and_mul
-from tokenmill.layers.ops.triton_numerics import round_code, round_to
-from tokenmill.layers.ops.triton_rms_norm import fused_add_rms_norm, rms_norm
-from tokenmill.layers.ops.triton_rotary import rotary_embedding
 from tokenmill.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -268,8 +268,7 @@ def test_disable_env(monkeypatch):
 
 def test_layers_dispatch_to_the_kernels(monkeypatch):
     """Force the CUDA branch on CPU tensors (interpreter): the layers' wiring of the kernels is right."""
-    for module in (layernorm, rotary, activation):
-        monkeypatch.setattr(module, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(kernels, "use_fused_kernels", lambda x: True)
     dtype = torch.bfloat16
     norm = _rms_layer(32, dtype, False, seed=14)
     x = _randn(3, 32, dtype=dtype, seed=15).to(DEVICE)

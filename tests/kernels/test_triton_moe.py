@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels.triton.fused_moe import fused_experts_triton, moe_align_block_size
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
-from tokenmill.layers.fused_moe.triton_moe import fused_experts_triton, moe_align_block_size
 
 CUDA = torch.cuda.is_available()
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, reference_attention
 
-from tokenmill.attention.ops import triton_attention_config
-from tokenmill.attention.ops.triton_attention_config import choose_launch_config, choose_num_splits
-from tokenmill.attention.ops.triton_paged_attention import paged_attention
+from tokenmill.kernels.triton import attention_config as triton_attention_config
+from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
+from tokenmill.kernels.triton.paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels.cpu import build as cpu_build, elementwise as cpu_elementwise
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.ops import cpu_build, cpu_elementwise
 
 
 @pytest.fixture(scope="module")

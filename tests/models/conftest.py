@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.forward_context import set_forward_context
 
 
 class DenseCausalBackend:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
+from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from tokenmill.platforms import cuda_rules as cr
+from tokenmill.platforms import cuda as cr
 
 # What torch.cuda.get_arch_list() returns for two real wheel lines.
 CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
-from tokenmill.attention.ops import cpu_decode
+from tokenmill.kernels.cpu import decode as cpu_decode
 
 logger = logging.getLogger(__name__)
 

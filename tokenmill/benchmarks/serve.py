@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from datetime import datetime
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill import envs
 from tokenmill.benchmarks import datasets
 from tokenmill.benchmarks.metrics import (
     RequestFuncOutput,
@@ -165,7 +165,7 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
 
     out = RequestFuncOutput()
     headers = {"Content-Type": "application/json"}
-    if api_key := os.environ.get("OPENAI_API_KEY"):
+    if api_key := envs.openai_api_key():
         headers["Authorization"] = f"Bearer {api_key}"
     start = last = out.start_time = time.perf_counter()
     reported: int | None = None  # cumulative completion tokens, when the server reports usage per chunk

@@ -28,21 +28,16 @@ from tokenmill.config.configs import (
     SchedulerConfig,
     parse_size,
 )
+from tokenmill.dtypes import DTYPE_ALIASES, dtype_name
 from tokenmill.model_loader.hf_config import load_generation_config, load_hf_config
 from tokenmill.model_loader.source import BUNDLED_MODEL_NAME, ModelSource, resolve_model_source
 from tokenmill.models.registry import get_supported_archs, resolve_model_cls
 from tokenmill.platforms import current_platform
-from tokenmill.platforms.cuda import force_cc70
+from tokenmill.platforms.cuda import force_cc70_requested
 from tokenmill.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_ALIASES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "pt")
 # HF config keys that bound the context length (vLLM's _get_and_verify_max_len list, abridged).
 _MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_positions")
@@ -66,7 +61,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     architecture = _resolve_architecture(hf_config)
     platform = current_platform(args.device)
     if platform.device_type == "cuda":  # fail now, not with "no kernel image is available" later
-        from tokenmill.platforms.cuda_rules import check_visible_gpus
+        from tokenmill.platforms.cuda import check_visible_gpus
 
         check_visible_gpus()
     dtype = _resolve_dtype(args.dtype, platform, architecture)
@@ -79,7 +74,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
         tokenizer=None if args.skip_tokenizer_init else (args.tokenizer or source.weights_path),
         skip_tokenizer_init=args.skip_tokenizer_init,
         load_format=args.load_format,
-        dtype=_DTYPE_NAMES[dtype],
+        dtype=dtype_name(dtype),
         seed=args.seed,
         max_model_len=max_model_len,
         architecture=architecture,
@@ -105,7 +100,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
             device=platform.device_type,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
-            force_cc70=platform.device_type == "cuda" and force_cc70(),
+            force_cc70=platform.device_type == "cuda" and force_cc70_requested(),
         ),
     )
 
@@ -122,8 +117,8 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}.")
     if args.load_format not in _LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(_LOAD_FORMATS)}, got {args.load_format!r}.")
-    if args.dtype != "auto" and args.dtype not in _DTYPE_ALIASES:
-        raise ValueError(f"--dtype must be auto or one of {', '.join(_DTYPE_ALIASES)}, got {args.dtype!r}.")
+    if args.dtype != "auto" and args.dtype not in DTYPE_ALIASES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPE_ALIASES)}, got {args.dtype!r}.")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}.")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
@@ -180,13 +175,13 @@ def _resolve_dtype(requested: str, platform: Platform, architecture: str | None 
         dtype = platform.default_dtype()
         if dtype == torch.float16 and fp16_unsafe:
             dtype = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else torch.float32
-            logger.info("dtype auto -> %s: %s overflows in float16", _DTYPE_NAMES[dtype], architecture)
+            logger.info("dtype auto -> %s: %s overflows in float16", dtype_name(dtype), architecture)
             return dtype
-        logger.info("dtype auto -> %s", platform.default_dtype_reason() or _DTYPE_NAMES[dtype])
+        logger.info("dtype auto -> %s", platform.default_dtype_reason() or dtype_name(dtype))
         return dtype
-    dtype = _DTYPE_ALIASES[requested]
+    dtype = DTYPE_ALIASES[requested]
     if dtype not in platform.supported_dtypes():
-        raise ValueError(f"{platform.get_device_name()} does not support {_DTYPE_NAMES[dtype]} "
+        raise ValueError(f"{platform.get_device_name()} does not support {dtype_name(dtype)} "
                          f"(compute capability {platform.get_device_capability()}); use --dtype float16.")
     if dtype == torch.float16 and fp16_unsafe:
         logger.warning("--dtype float16 with %s: its activations are known to overflow in float16 "

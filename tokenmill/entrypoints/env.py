@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.platforms import cuda_rules
+from tokenmill.platforms import cuda
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +78,15 @@ def describe_gpu(
     the installed torch runs on it, else the error text), dtypes and
     attention_backends (name -> None if usable else the reason).
     """
-    eff = cuda_rules.effective_capability(capability, force_cc70)
-    device = cuda_rules.describe_device(name, capability)
+    eff = cuda.effective_capability(capability, force_cc70)
+    device = cuda.describe_device(name, capability)
     try:
-        cuda_rules.check_torch_arch_support(capability, device, arch_list)
+        cuda.check_torch_arch_support(capability, device, arch_list)
         torch_kernels = None
     except ValueError as e:
         torch_kernels = str(e)
-    dtypes = cuda_rules.dtype_support(eff)
-    backends = cuda_rules.attention_backend_support(
+    dtypes = cuda.dtype_support(eff)
+    backends = cuda.attention_backend_support(
         eff, triton_available=triton_available, flash_attn_available=flash_attn_available
     )
     if torch_kernels is not None:  # nothing runs without torch kernels for the device
@@ -101,7 +101,7 @@ def describe_gpu(
         "effective_capability": f"{eff[0]}.{eff[1]}",
         "force_cc70": force_cc70,
         "torch_kernels": torch_kernels,
-        "default_dtype": "bfloat16" if cuda_rules.supports_bf16(eff) else "float16",
+        "default_dtype": "bfloat16" if cuda.supports_bf16(eff) else "float16",
         "dtypes": dtypes,
         "attention_backends": backends,
     }
@@ -112,7 +112,7 @@ def collect_env_info() -> dict[str, Any]:
     triton_version = _package_version("triton")
     cuda_ok = torch.cuda.is_available()
     arch_list = torch.cuda.get_arch_list() if cuda_ok else []
-    force = cuda_rules.force_cc70_requested()
+    force = cuda.force_cc70_requested()
     gpus = []
     if cuda_ok:
         flash = importlib.util.find_spec("flash_attn") is not None
@@ -163,7 +163,7 @@ def render_text(info: dict[str, Any]) -> str:
         f"Triton         {info['triton'] or 'not installed'}",
     ]
     if info["force_cc70"]:
-        lines.append(f"{cuda_rules.FORCE_CC70_ENV}=1: GPUs are treated as compute capability 7.0")
+        lines.append(f"{cuda.FORCE_CC70_ENV}=1: GPUs are treated as compute capability 7.0")
     if not info["gpus"]:
         lines.append("GPU            none: tokenmill runs on the CPU")
         lines.extend(_support_lines(info["cpu"]))

@@ -21,6 +21,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from tokenmill import envs
+
 
 def _reply_error(conn: Connection, exc: BaseException) -> None:
     tb = traceback.format_exc()
@@ -33,7 +35,7 @@ def _reply_error(conn: Connection, exc: BaseException) -> None:
 def main(fd: int) -> None:
     conn = Connection(fd)
     engine_config, rank, local_rank, init_method = conn.recv()
-    logging.basicConfig(level=os.environ.get("TOKENMILL_LOGGING_LEVEL", "WARNING"),
+    logging.basicConfig(level=envs.logging_level(),
                         format=f"(worker rank={rank}) %(levelname)s %(name)s: %(message)s")
     try:
         from tokenmill.executor.abstract import output_rank
@@ -47,7 +49,7 @@ def main(fd: int) -> None:
         _reply_error(conn, exc)
         return
     conn.send(("ok", None))
-    stats = os.environ.get("TOKENMILL_WORKER_STATS") == "1"
+    stats = envs.worker_stats()
     steps, busy_s, idle_s = 0, 0.0, 0.0
     while True:
         t0 = time.perf_counter()

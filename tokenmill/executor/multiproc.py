@@ -26,6 +26,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config.configs import EngineConfig
 from tokenmill.distributed.init import get_open_port, set_nccl_env_defaults
 from tokenmill.executor.abstract import DistributedExecutor
@@ -48,7 +49,7 @@ def check_cuda_device_count(world_size: int) -> None:
     if world_size > count:
         raise ValueError(
             f"tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need {world_size} GPUs, but this "
-            f"host has {count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"host has {count} visible (CUDA_VISIBLE_DEVICES={envs.cuda_visible_devices() or 'unset'}); "
             "lower the sizes, or use --distributed-executor-backend ray on a multi-host Ray cluster."
         )
 

@@ -15,10 +15,10 @@ any of them (it joins the running cluster; RAY_ADDRESS picks another).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config.configs import EngineConfig
 from tokenmill.executor.abstract import DistributedExecutor, output_rank
 
@@ -103,7 +103,7 @@ def _ray_init() -> None:
 
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
+    address = envs.ray_address()
     check_ray_address(address)
     try:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)

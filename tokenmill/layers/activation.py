@@ -3,10 +3,11 @@
 Input `[..., 2 * d]` = `[gate | up]` (as MergedColumnParallelLinear lays it
 out per rank); output `[..., d]` = act(gate) * up.
 
-On CUDA each is one fused Triton kernel (tokenmill/layers/ops/
-triton_activation.py, same roundings); on CPU SwiGLU is one C call
-(tokenmill/layers/ops/cpu_elementwise.py, same roundings) where the kernels
-build; the PyTorch code is the fallback and the reference.
+On CUDA each is one fused Triton kernel (tokenmill/kernels/triton/
+activation.py, same roundings); on CPU SwiGLU is one C call
+(tokenmill/kernels/cpu/elementwise.py, same roundings) where the kernels
+build (both through `tokenmill.kernels`); the PyTorch code is the fallback
+and the reference.
 """
 
 from __future__ import annotations
@@ -15,25 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
-
-# Dtypes of the fused kernels (others take the PyTorch path); spelled out so a
-# CPU import does not load triton through tokenmill.layers.ops.triton_numerics.
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from tokenmill import kernels
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU: silu(x[..., :d]) * x[..., d:]. x [..., 2d] -> [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x) and x.dtype in _FUSED_DTYPES:
-            from tokenmill.layers.ops.triton_activation import silu_and_mul
-
-            return silu_and_mul(x)
-        if (x.device.type == "cpu" and cpu_elementwise.supports(x) and x.shape[-1] % 2 == 0
-                and (lib := cpu_elementwise.load()) is not None):
-            return cpu_elementwise.silu_and_mul(lib, x)
-        return self.forward_torch(x)
+        out = kernels.silu_and_mul(x)
+        return self.forward_torch(x) if out is None else out
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""
@@ -51,11 +42,8 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused_kernels(x) and x.dtype in _FUSED_DTYPES:
-            from tokenmill.layers.ops.triton_activation import gelu_and_mul
-
-            return gelu_and_mul(x, self.approximate)
-        return self.forward_torch(x)
+        out = kernels.gelu_and_mul(x, self.approximate)
+        return self.forward_torch(x) if out is None else out
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` in PyTorch ops: the CPU path, and the reference of the fused CUDA kernel."""

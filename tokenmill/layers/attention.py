@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.forward_context import get_forward_context
+from tokenmill.attention.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

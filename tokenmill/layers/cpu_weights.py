@@ -22,11 +22,11 @@ Set TOKENMILL_CPU_PACK_WEIGHTS=0 to keep plain weights.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.layers.embedding import ParallelLMHead
 from tokenmill.layers.linear import LinearBase
 
@@ -55,7 +55,7 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
     TOKENMILL_CPU_PACK_WEIGHTS=0, on a CPU or build without native oneDNN
     bfloat16, or when the model has no such layer.
     """
-    if os.environ.get("TOKENMILL_CPU_PACK_WEIGHTS", "1") == "0" or not bf16_packing_supported():
+    if not envs.cpu_pack_weights() or not bf16_packing_supported():
         return 0
     modules = list(model.modules())
     count = 0

@@ -5,10 +5,11 @@ in float32 and cast back as HF's LlamaRMSNorm does. The Gemma variant
 scales by (1 + w) in float32 before the cast (HF's GemmaRMSNorm), so its
 checkpoint weights are stored around 0.
 
-On CUDA, forward is one fused Triton kernel (tokenmill/layers/ops/
-triton_rms_norm.py, same roundings); on CPU one C call (tokenmill/layers/
-ops/cpu_elementwise.py, same roundings) where the kernels build; the PyTorch
-code below is the fallback and the reference.
+On CUDA, forward is one fused Triton kernel (tokenmill/kernels/triton/
+rms_norm.py, same roundings); on CPU one C call (tokenmill/kernels/cpu/
+elementwise.py, same roundings) where the kernels build, both through
+`tokenmill.kernels.rms_norm`; the PyTorch code below is the fallback and the
+reference.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
+from tokenmill import kernels
 
 
 class RMSNorm(nn.Module):
@@ -55,20 +56,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_fused_kernels(x):
-            from tokenmill.layers.ops import triton_rms_norm as ops
-
-            if ops.rms_norm_supported(x, self.weight, self.gemma):
-                if residual is None:
-                    return ops.rms_norm(x, self.weight, self.eps, self.gemma)
-                if residual.shape == x.shape and residual.dtype == x.dtype:
-                    return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
-        elif (x.device.type == "cpu" and self.weight.dtype == x.dtype and cpu_elementwise.supports(x)
-              and (lib := cpu_elementwise.load()) is not None):
-            if residual is None:
-                return cpu_elementwise.rms_norm(lib, x, self.weight, self.eps, self.gemma)
-            if residual.shape == x.shape and residual.dtype == x.dtype and cpu_elementwise.supports(residual):
-                return cpu_elementwise.rms_norm(lib, x, self.weight, self.eps, self.gemma, residual)
+        out = kernels.rms_norm(x, self.weight, self.eps, self.gemma, residual)
+        if out is not None:
+            return out
         return self.forward_torch(x, residual)
 
     def forward_torch(

@@ -11,8 +11,8 @@ Frequency scalings follow transformers' `modeling_rope_utils.py`:
 "default", "linear" (inv_freq / factor) and "llama3" (Llama-3.1: long
 wavelengths divided by `factor`, short ones kept, a smooth blend between).
 
-On CUDA, forward is one fused Triton kernel for q and k (tokenmill/layers/
-ops/triton_rotary.py, bit-identical); `forward_torch` is the reference.
+On CUDA, forward is one fused Triton kernel for q and k (tokenmill/kernels/
+triton/rotary.py, bit-identical); `forward_torch` is the reference.
 On CPU, neox style with the whole head rotating takes `forward_cpu`: the
 same roundings in 6 ATen calls for q and k together instead of 18, from a
 [cos | cos] / [-sin | sin] table:
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.ops import cpu_elementwise, use_fused_kernels
+from tokenmill import kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -108,7 +108,7 @@ class RotaryEmbedding(nn.Module):
     -> (query, key) of the same shapes and dtype.
     On CUDA one fused Triton launch for q and k (bit-identical; q/k may be
     row-strided views of the fused qkv output); on CPU (neox style, whole
-    head rotating) one C call (`cpu_elementwise.rotary_neox`, bit-identical)
+    head rotating) one C call (`kernels.cpu.elementwise.rotary_neox`, bit-identical)
     where the kernels build, else `forward_cpu`; otherwise `forward_torch`.
     """
 
@@ -140,16 +140,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_fused_kernels(query):
-            from tokenmill.layers.ops import triton_rotary as ops
-
-            if ops.rotary_supported(query, key, self.head_size):
-                return ops.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
-                                            self.rotary_dim, self.is_neox_style)
+        out = kernels.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache, self.head_size,
+                                       self.rotary_dim, self.is_neox_style)
+        if out is not None:
+            return out
         if query.device.type == "cpu" and self.is_neox_style and self.rotary_dim == self.head_size:
-            if (cpu_elementwise.rope_supports(positions, query, key, self.cos_cache, self.sin_cache)
-                    and (lib := cpu_elementwise.load()) is not None):
-                return cpu_elementwise.rotary_neox(lib, positions, query, key, self.cos_cache, self.sin_cache)
             return self.forward_cpu(positions, query, key)
         return self.forward_torch(positions, query, key)
 

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.model_loader.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,7 @@ def _gguf_config_cache_file(gguf_file: str) -> str:
 
     st = os.stat(gguf_file)
     key = f"{os.path.abspath(gguf_file)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return os.path.join(root, "gguf_configs", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+    return os.path.join(envs.cache_dir(), "gguf_configs", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 def _cached_gguf_config(gguf_file: str) -> Any | None:

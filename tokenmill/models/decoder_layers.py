@@ -241,7 +241,7 @@ class DecoderForCausalLM(nn.Module):
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> [N, vocab] float32. Must run inside
-    `tokenmill.forward_context.set_forward_context(...)`.
+    `tokenmill.attention.forward_context.set_forward_context(...)`.
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -254,7 +254,7 @@ class DecoderForCausalLM(nn.Module):
     }
     # checkpoint name fragment -> module path fragment (e.g. Mixtral's block_sparse_moe -> mlp)
     checkpoint_renames: ClassVar[dict[str, str]] = {}
-    # fp16 overflows in this family's activations: dtype "auto" avoids fp16 (config_resolve)
+    # fp16 overflows in this family's activations: dtype "auto" avoids fp16 (config.resolve)
     fp16_unsafe = False
 
     # forward takes `intermediate_tensors` (pipeline parallelism).

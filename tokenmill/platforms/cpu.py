@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 
 import torch
 
+from tokenmill import envs
 from tokenmill.platforms.interface import Platform
 
 
@@ -54,7 +54,7 @@ def tune_malloc(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20, mmap_thr
     Process-wide and glibc-only: returns False (changing nothing) on other C
     libraries, or when TOKENMILL_CPU_MALLOC_TUNING=0; True once applied.
     """
-    if os.environ.get("TOKENMILL_CPU_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+    if not envs.cpu_malloc_tuning() or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

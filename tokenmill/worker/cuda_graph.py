@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.forward_context import set_forward_context
 
 logger = logging.getLogger(__name__)
 

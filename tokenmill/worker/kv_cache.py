@@ -2,6 +2,9 @@
 
 One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 = keys, 1 = values), in the model dtype.
+
+The one size formula (`kv_bytes_per_block`) and the one "does a
+max_model_len sequence fit" check (`check_max_model_len_fits`) live here.
 """
 
 from __future__ import annotations
@@ -10,6 +13,40 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tokenmill.dtypes import dtype_bytes
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype | str) -> int:
+    """Bytes of one KV block over `num_layers` layers, for the layout [2, num_blocks, block_size, num_kv_heads,
+    head_dim] per layer: 2 (K and V) * block_size * num_kv_heads * head_dim * bytes(dtype) * num_layers.
+
+    dtype: a torch dtype or a name (`dtypes.dtype_bytes`; fp8 is 1 byte). Raises ValueError on an unknown name.
+    """
+    return 2 * block_size * num_kv_heads * head_dim * dtype_bytes(dtype) * num_layers
+
+
+def check_max_model_len_fits(num_blocks: int, block_size: int, max_model_len: int,
+                             memory_hint: str | None = None) -> None:
+    """Raise when one `max_model_len` sequence cannot fit in a KV cache of `num_blocks` blocks.
+
+    memory_hint: what would give the KV cache more memory here (`tokenmill.config.kv_memory_hint`);
+    default names every such flag.
+
+    Raises:
+        ValueError: with the largest max_model_len that fits (num_blocks * block_size) and the flags that help.
+    """
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {num_blocks} blocks x {block_size} tokens = {capacity} tokens, fewer than one "
+            f"sequence of max_model_len={max_model_len} needs. The largest max_model_len that fits is {capacity}; "
+            f"pass --max-model-len {capacity}, or "
+            + (memory_hint or "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization / "
+               "--num-gpu-blocks-override)")
+            + "."
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,9 +60,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers: 2 (K and V) * block_size * heads * head_dim * dtype size * layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem * self.num_layers
+        """Bytes of one block over this stage's layers (`kv_bytes_per_block`)."""
+        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
 
 def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: int | None = None) -> KVCacheSpec:

@@ -17,21 +17,21 @@ import logging
 import numpy as np
 import torch
 
+from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.selector import get_attn_backend
 from tokenmill.config.configs import CPU_KV_CACHE_BYTES, EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
-from tokenmill.forward_context import set_forward_context
+from tokenmill.dtypes import parse_dtype
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_spec
+from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_max_model_len_fits, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ModelRunner:
@@ -41,7 +41,7 @@ class ModelRunner:
         self.config = engine_config
         self.device = device
         mc, cc, sc = engine_config.model_config, engine_config.cache_config, engine_config.scheduler_config
-        self.dtype = _DTYPES[mc.dtype] if isinstance(mc.dtype, str) else mc.dtype
+        self.dtype = parse_dtype(mc.dtype)
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
@@ -156,12 +156,8 @@ class ModelRunner:
         """
         bs = self.spec.block_size
         need = -(-self.max_model_len // bs)
-        if num_blocks < need:
-            raise ValueError(
-                f"The KV cache holds {num_blocks} blocks ({num_blocks * bs} tokens), less than one sequence of "
-                f"max_model_len={self.max_model_len}; use --max-model-len {num_blocks * bs} or less, "
-                f"or {kv_memory_hint(self.config.cache_config, self.device.type)}."
-            )
+        check_max_model_len_fits(num_blocks, bs, self.max_model_len,
+                                 kv_memory_hint(self.config.cache_config, self.device.type))
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
         if self._use_cuda_graphs():
             self.cuda_graphs = CUDAGraphRunner(

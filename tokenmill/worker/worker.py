@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tokenmill import envs
 from tokenmill.config.configs import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
@@ -49,10 +50,10 @@ class Worker:
         if dc.device == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-            from tokenmill.platforms.cuda_rules import prepare_cuda_device
+            from tokenmill.platforms.cuda import prepare_cuda_device
 
             prepare_cuda_device(self.local_rank, dc.force_cc70)  # torch arch check; SDPA limits on cc < 8.0
-            if pc.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            if pc.world_size > 1 and envs.omp_num_threads() is None:
                 # Rank processes on one host would each start a full OpenMP pool and
                 # spin against each other in the step's small CPU-side tensor ops
                 # (vLLM's workers use one thread for the same reason).
@@ -63,9 +64,9 @@ class Worker:
 
             if tune_malloc():
                 logger.debug("glibc malloc tuned for CPU inference (TOKENMILL_CPU_MALLOC_TUNING=0 turns it off)")
-            threads = os.environ.get("TOKENMILL_CPU_THREADS")
+            threads = envs.cpu_threads()
             if threads:
-                torch.set_num_threads(int(threads))
+                torch.set_num_threads(threads)
             elif pc.world_size > 1:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
         if pc.world_size > 1:

@@ -13,7 +13,7 @@ Runs wherever PyTorch runs (CPU, any CUDA GPU including cc 7.0). Each step:
 
 On CPU in float32 and bfloat16, the decodes (query_len 1) of a step are read
 straight from the cache, without a gathered copy of their K/V: by the C
-kernel of `tokenmill.attention.ops.cpu_decode` where it builds (64 decodes of
+kernel of `tokenmill.kernels.cpu.decode` where it builds (64 decodes of
 ~175 keys, SmolLM2 bfloat16, 2 threads: 0.56 vs 2.0 ms per layer), else
 block by block in PyTorch (`block_decode`; offline_throughput decode step,
 SmolLM2, one thread: 20% less attention time in float32; bfloat16 batch-64
@@ -47,7 +47,7 @@ import torch
 from tokenmill.attention.backends.block_decode import BlockDecodePlan, block_decode_attention, plan_block_decode
 from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sdpa
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.ops import cpu_decode
+from tokenmill.kernels.cpu import decode as cpu_decode
 
 # CPU cache dtypes that block_decode reads in place (its matmuls run in the cache's dtype).
 _BLOCK_DECODE_DTYPES = (torch.float32, torch.bfloat16)

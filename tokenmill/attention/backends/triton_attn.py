@@ -1,8 +1,8 @@
 """TRITON_ATTN: paged attention with the Triton kernels (CUDA cc >= 7.0, ROCm).
 
 `forward` launches two kernels on the current stream and nothing else: the
-KV write (`triton_reshape_and_cache`) then the varlen paged attention
-(`triton_paged_attention`; plus a split-merge kernel for small decode
+KV write (`kernels.reshape_and_cache`) then the varlen paged attention
+(`kernels.paged_attention`; plus a split-merge kernel for small decode
 batches). Grid sizes come from host ints already in the
 metadata (num_reqs, max_query_len) and tensor shapes, never from `.item()`,
 and the only allocation is the output (shape fixed by num_tokens), so decode
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -32,7 +33,7 @@ class TritonAttentionBackend:
         if num_stages is None:
             num_stages = 1
             if torch.cuda.is_available():
-                from tokenmill.platforms.cuda_rules import (
+                from tokenmill.platforms.cuda import (
                     effective_capability,
                     force_cc70_requested,
                     triton_launch_settings,
@@ -59,14 +60,9 @@ class TritonAttentionBackend:
         Tokens past `query_start_loc[num_reqs]` (graph padding, slot -1) get
         zero output rows and write nothing to the cache.
         """
-        # Imported here so importing the backend class does not import triton
-        # (tests must set TRITON_INTERPRET before triton's first import).
-        from tokenmill.attention.ops.triton_paged_attention import paged_attention
-        from tokenmill.attention.ops.triton_reshape_and_cache import reshape_and_cache
-
         md = attn_metadata
-        reshape_and_cache(key, value, kv_cache, md.slot_mapping)
-        return paged_attention(
+        kernels.reshape_and_cache(key, value, kv_cache, md.slot_mapping)
+        return kernels.paged_attention(
             query,
             kv_cache,
             md.block_table,

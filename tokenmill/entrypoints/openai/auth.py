@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 from typing import Any
+
+from tokenmill import envs
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/api/version", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
@@ -35,11 +36,10 @@ def resolve_api_keys(flag_keys: list[str] | None, environ: dict[str, str] | None
     Raises:
         ValueError: a configured key is empty or only whitespace.
     """
-    env = os.environ if environ is None else environ
     if flag_keys:
         keys = list(flag_keys)
     else:
-        value = env.get("TOKENMILL_API_KEY") or env.get("VLLM_API_KEY")
+        value = envs.api_key(environ)
         keys = [value] if value is not None else []
     for key in keys:
         if not key.strip():

@@ -22,13 +22,13 @@ Times are seconds (`time.time()` in both processes; they share a clock).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tokenmill import envs
 from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -45,7 +45,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def vllm_names_from_env() -> bool:
     """True when env TOKENMILL_METRICS_VLLM_NAMES is 1/true/yes/on."""
-    return os.environ.get("TOKENMILL_METRICS_VLLM_NAMES", "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.metrics_vllm_names()
 
 
 class _MetricSet:

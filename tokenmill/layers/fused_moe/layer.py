@@ -19,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -35,11 +36,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     w2 [E, H, I], topk [T, k] -> [T, H].
     """
     if hidden_states.is_cuda:
-        # Imported here so CPU runs never load Triton kernels (and the kernel
-        # tests can still switch Triton to its interpreter before first import).
-        from tokenmill.layers.fused_moe.triton_moe import fused_experts_triton
-
-        return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+        return kernels.fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation)
     return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
 
 

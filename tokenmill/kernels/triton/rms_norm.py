@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.ops.triton_numerics import FUSED_DTYPES, round_code, round_to
+from tokenmill.kernels.triton.numerics import FUSED_DTYPES, round_code, round_to
 
 # Largest hidden size kept in one program's registers (Llama 3.1 405B: 16384).
 MAX_HIDDEN_SIZE = 16384
@@ -54,7 +54,7 @@ def rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
-    ROUND: tl.constexpr,  # activation dtype: see triton_numerics.round_to
+    ROUND: tl.constexpr,  # activation dtype: see numerics.round_to
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.ops.triton_numerics import FUSED_DTYPES, round_code, round_to
+from tokenmill.kernels.triton.numerics import FUSED_DTYPES, round_code, round_to
 
 # Elements per program (heads * padded half rotary dim).
 _HEAD_ELEMENTS = 1024
@@ -53,7 +53,7 @@ def rotary_kernel(
     ROT_HALF_PAD: tl.constexpr,  # next power of two >= ROT_HALF
     REST_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE - 2 * ROT_HALF; 0 = no unrotated tail
     IS_NEOX: tl.constexpr,
-    ROUND: tl.constexpr,  # activation dtype: see triton_numerics.round_to
+    ROUND: tl.constexpr,  # activation dtype: see numerics.round_to
     BLOCK_H: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)

@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache, on CPU (built and called by cpu_decode.py).
+/* Decode attention straight from the paged KV cache, on CPU (built and called by decode.py).
  *
  * Each decode row has one query token; it attends over its keys at positions
  * [start, seq_len), read where they lie in the cache [num_blocks, block_size,
@@ -23,7 +23,7 @@
  * is a 16-lane partial sum (vdpbf16ps on bfloat16 pairs where the CPU has
  * AVX512-BF16, else float32 FMAs), and the 16 partial sums are reduced into
  * one vector of 16 scores by a transpose-and-add tree (45 shuffles and adds
- * instead of 16 separate horizontal sums). exp is cpu_simd.h's vector
+ * instead of 16 separate horizontal sums). exp is simd.h's vector
  * polynomial; exponents below -87 give 0, as in block_decode; NaN stays NaN.
  * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
@@ -35,7 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_simd.h" /* tokenmill/layers/ops/ (cpu_build passes -I) */
+#include "simd.h" /* beside this file (build.py passes -I) */
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256

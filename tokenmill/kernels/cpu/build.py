@@ -4,7 +4,7 @@ Each kernel is one C source beside its Python wrapper. `load_library(source)`
 compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
 and `-O3 -march=native -fopenmp -ffp-contract=off` into
 `$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`), named
-by a hash of the source, the shared header `cpu_simd.h`, the flags, the
+by a hash of the source, the shared header `simd.h`, the flags, the
 compiler's version and this CPU's feature flags, so later processes load the
 cached library at once (a build takes ~1-10 s). Builds go
 to a temporary file that is renamed into place, so processes that build at
@@ -33,6 +33,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
@@ -40,7 +42,7 @@ CPU_KERNELS_ENV = "TOKENMILL_CPU_KERNELS"
 # skipping the rounding of a * b that the PyTorch reference does (the kernels call fmadd where they mean it).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 
-# Headers the sources include (cpu_simd.h), found with -I here; hashed with every source.
+# Headers the sources include (simd.h), found with -I here; hashed with every source.
 INCLUDE_DIR = Path(__file__).resolve().parent
 
 # source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
@@ -49,12 +51,11 @@ _lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(root) / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    return shutil.which(envs.cc()) or shutil.which("gcc") or shutil.which("clang")
 
 
 def _cpu_flags() -> str:
@@ -111,7 +112,7 @@ def load_library(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctyp
 
 
 def _load(source: Path, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+    if not envs.cpu_kernels():
         logger.info("%s=0: %s runs as PyTorch ops.", CPU_KERNELS_ENV, source.stem)
         return None
     compiler = _compiler()

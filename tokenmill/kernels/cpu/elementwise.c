@@ -1,4 +1,4 @@
-/* RMSNorm (with the residual add), SiLU-and-mul and RoPE on CPU, one pass each (called by cpu_elementwise.py).
+/* RMSNorm (with the residual add), SiLU-and-mul and RoPE on CPU, one pass each (called by elementwise.py).
  *
  * Their PyTorch code (tokenmill/layers/layernorm.py, activation.py, rotary.py)
  * is the reference, and these loops round where it rounds: bfloat16 results
@@ -15,10 +15,10 @@
  *     out[:h] = T(T(x1 * c) - T(x2 * s)),  out[h:] = T(T(x2 * c) + T(x1 * s)),  [x1 | x2] = a head
  *
  * T(.) rounds float32 to bfloat16 (nearest even) for bfloat16 tensors and is
- * the identity for float32; e^x is cpu_simd.h's vector polynomial. Rows are shared by OpenMP threads
+ * the identity for float32; e^x is simd.h's vector polynomial. Rows are shared by OpenMP threads
  * (torch's libgomp) when a call has at least PARALLEL_MIN elements.
  */
-#include "cpu_simd.h"
+#include "simd.h"
 
 #define PARALLEL_MIN 32768
 

@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU in C (`cpu_elementwise.c`): one call instead of 2-10 ops.
+"""RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU in C (`elementwise.c`): one call instead of 2-10 ops.
 
 On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
@@ -9,7 +9,7 @@ except where RMSNorm's float32 sum of squares, added in another order, moves
 an element by one ulp; in float32 they differ in the last bits (the sum
 order, SiLU's polynomial exp: up to ~4 ulps). NaN payloads may differ.
 
-Built by `cpu_build` (system C compiler, cached per machine); without it,
+Built by `build.py` (system C compiler, cached per machine); without it,
 or with `TOKENMILL_CPU_KERNELS=0`, `load()` returns None and the layers keep
 their PyTorch path. Float32 and bfloat16 only.
 """
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.layers.ops.cpu_build import load_library
+from tokenmill.kernels.cpu.build import load_library
 
-_SOURCE = Path(__file__).with_name("cpu_elementwise.c")
+_SOURCE = Path(__file__).with_name("elementwise.c")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -38,7 +38,7 @@ def _configure(lib: ctypes.CDLL) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
+    """The compiled library (built on the first call, see `build.py`); None when unavailable."""
     return load_library(_SOURCE, _configure)
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.ops.triton_numerics import FUSED_DTYPES, exp_f32, round_code, round_to, tanh_f32, use_libdevice
+from tokenmill.kernels.triton.numerics import FUSED_DTYPES, exp_f32, round_code, round_to, tanh_f32, use_libdevice
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -42,7 +42,7 @@ def act_and_mul_kernel(
     d,
     stride_x,
     ACT: tl.constexpr,  # ACT_SILU / ACT_GELU_TANH / ACT_GELU_ERF
-    ROUND: tl.constexpr,  # activation dtype: see triton_numerics.round_to
+    ROUND: tl.constexpr,  # activation dtype: see numerics.round_to
     USE_LIBDEVICE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):

@@ -26,12 +26,12 @@ rather than Triton's faster approximations; the interpreter has no libdevice
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from tokenmill import envs
 
 _ROUND_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -52,7 +52,7 @@ def round_code(dtype: torch.dtype) -> int:
 
 def use_libdevice(x: torch.Tensor) -> bool:
     """True when kernels on `x` are compiled for a GPU (not run by Triton's interpreter)."""
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+    return x.is_cuda and not envs.triton_interpret()
 
 
 @triton.jit

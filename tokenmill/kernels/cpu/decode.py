@@ -1,4 +1,4 @@
-"""CPU decode attention in C (`cpu_decode_attention.c`), compiled at first use; None when it cannot be.
+"""CPU decode attention in C (`decode_attention.c`), compiled at first use; None when it cannot be.
 
 TORCH_SDPA's PyTorch decode path on CPU (`block_decode`) multiplies each
 16-key block by its owner's query in batched matmuls: hundreds of tiny
@@ -10,7 +10,7 @@ the CPU has it), and writes the result straight into the attention output.
 1.56 ms per layer; benchmarks/cpu_kernels_bench.py, docs/benchmarks.md
 "CPU serving: fifth session".)
 
-Built by `tokenmill.layers.ops.cpu_build` at the first `load_kernel()` (the
+Built by `tokenmill.kernels.cpu.build` at the first `load_kernel()` (the
 system C compiler, cached per machine); no compiler, a failed build, or
 `TOKENMILL_CPU_KERNELS=0` -> None, and the caller keeps the PyTorch path.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.layers.ops.cpu_build import load_library
+from tokenmill.kernels.cpu.build import load_library
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_SOURCE = Path(__file__).with_name("decode_attention.c")
 # The kernel's limits (MAX_GROUP, MAX_HEAD_DIM in the C source); other models keep the PyTorch path.
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
@@ -39,7 +39,7 @@ def _configure(lib: ctypes.CDLL) -> None:
 
 
 def load_kernel() -> ctypes.CDLL | None:
-    """The compiled library (built on the first call, see `cpu_build`); None when unavailable."""
+    """The compiled library (built on the first call, see `build.py`); None when unavailable."""
     return load_library(_SOURCE, _configure)
 
 

@@ -1,11 +1,11 @@
-/* Helpers shared by tokenmill's CPU kernels (cpu_elementwise.c, attention/ops/cpu_decode_attention.c).
+/* Helpers shared by tokenmill's CPU kernels (elementwise.c, decode_attention.c).
  *
  * bfloat16 <-> float32 (round to nearest even, NaN made quiet), element loads
  * and stores of either dtype, and with AVX-512 (F, BW and VL; TM_AVX512) their
  * 16-lane forms and a vector e^x: x = n ln2 + r (Cody-Waite, ln2 in two
  * parts), e^r by its degree-7 Taylor polynomial (relative error < 1e-8 for
  * |r| <= ln2 / 2), times 2^n; it saturates to inf above 88.7 and to 0 below
- * -104, and NaN passes through. cpu_build.py hashes this header with each
+ * -104, and NaN passes through. build.py hashes this header with each
  * source, so editing it rebuilds both libraries.
  */
 #ifndef TOKENMILL_CPU_SIMD_H

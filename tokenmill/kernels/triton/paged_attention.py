@@ -40,8 +40,8 @@ Alg. 1) in fp32, in base 2 (exp2 with log2(e) folded into the scale).
 
 Small decode batches split each KV range over grid axis 2 (flash-decoding);
 each split writes a partial result and its log-sum-exp, and
-`triton_merge_splits` combines them. Tile sizes and the split count are chosen
-in `triton_attention_config` from host ints only.
+`merge_splits` combines them. Tile sizes and the split count are chosen
+in `attention_config` from host ints only.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.ops.triton_attention_config import choose_launch_config, choose_num_splits
-from tokenmill.attention.ops.triton_merge_splits import merge_splits
+from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
+from tokenmill.kernels.triton.merge_splits import merge_splits
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "sliding_window"])

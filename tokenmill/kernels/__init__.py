@@ -1,0 +1,172 @@
+"""Every kernel of tokenmill, one Python entry point per op.
+
+    kernels/triton/   Triton kernels (CUDA; tests run them under TRITON_INTERPRET=1)
+    kernels/cpu/      C kernels for the CPU with their build code (`cpu/build.py`)
+
+Entry points (layers and attention backends call these, never a kernel module):
+
+    op                   CUDA (Triton)                      CPU (C)
+    rms_norm             triton/rms_norm.py                 cpu/elementwise.py
+    silu_and_mul         triton/activation.py               cpu/elementwise.py
+    gelu_and_mul         triton/activation.py               -
+    rotary_embedding     triton/rotary.py                   cpu/elementwise.py (neox, full rotary dim)
+    reshape_and_cache    triton/reshape_and_cache.py        -
+    paged_attention      triton/paged_attention.py          -
+    fused_experts        triton/fused_moe.py                -
+    CPU decode attention -                                  cpu/decode.py (`kernels.cpu.decode`)
+
+The elementwise entry points return None where no kernel takes the inputs
+(another device, dtype or layout; Triton missing or turned off; no C
+compiler): the caller then runs its PyTorch code, which is the numerical
+reference the kernels reproduce (see each kernel module for the roundings).
+
+On CUDA each elementwise layer is one kernel launch instead of the 2-16 small
+PyTorch kernels of its reference code. Env `TOKENMILL_DISABLE_FUSED_KERNELS=1`
+keeps the PyTorch path on CUDA too (for bisecting a numerical difference, or
+a Triton that does not work on the machine); it is read once per process, at
+the first CUDA forward.
+
+This module does not import triton (the Triton modules are imported at their
+first call), so CPU runs never load it and tests can set TRITON_INTERPRET
+before its first import.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from tokenmill import envs
+from tokenmill.kernels.cpu import elementwise as _cpu
+
+logger = logging.getLogger(__name__)
+
+# Dtypes of the fused Triton elementwise kernels (triton/numerics.py FUSED_DTYPES), spelled out here so that
+# a CPU import does not load triton.
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """True when `x` is a CUDA tensor and the fused Triton kernels are enabled and importable.
+
+    Cheap enough for every forward: one attribute read, then a cached answer.
+    """
+    return x.is_cuda and _fused_kernels_available()
+
+
+@functools.cache
+def _fused_kernels_available() -> bool:
+    if envs.disable_fused_kernels():
+        logger.info("TOKENMILL_DISABLE_FUSED_KERNELS is set: RMSNorm, RoPE and gated activations run as "
+                    "PyTorch ops on CUDA")
+        return False
+    try:
+        import triton  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as e:  # missing, or fails to initialise on this machine
+        logger.warning("Triton cannot be imported (%s): RMSNorm, RoPE and gated activations run as "
+                       "PyTorch ops on CUDA (slower decode steps)", e)
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of x [..., n] (optionally after adding `residual`) in one kernel; None where no kernel applies.
+
+    Returns the normed x (residual None) or (RMSNorm(x + residual), x + residual), new tensors of x's dtype,
+    rounded as `RMSNorm.forward_torch`. CUDA: Triton, float32/float16/bfloat16. CPU: C, float32/bfloat16,
+    weight in x's dtype.
+    """
+    if use_fused_kernels(x):
+        from tokenmill.kernels.triton import rms_norm as ops
+
+        if ops.rms_norm_supported(x, weight, gemma):
+            if residual is None:
+                return ops.rms_norm(x, weight, eps, gemma)
+            if residual.shape == x.shape and residual.dtype == x.dtype:
+                return ops.fused_add_rms_norm(x, residual, weight, eps, gemma)
+        return None
+    if (x.device.type == "cpu" and weight.dtype == x.dtype and _cpu.supports(x)
+            and (lib := _cpu.load()) is not None):
+        if residual is None:
+            return _cpu.rms_norm(lib, x, weight, eps, gemma)
+        if residual.shape == x.shape and residual.dtype == x.dtype and _cpu.supports(residual):
+            return _cpu.rms_norm(lib, x, weight, eps, gemma, residual)
+    return None
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d] in one kernel (CUDA or CPU); None where no kernel applies."""
+    if use_fused_kernels(x):
+        if x.dtype not in _FUSED_DTYPES:
+            return None
+        from tokenmill.kernels.triton.activation import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
+    if (x.device.type == "cpu" and _cpu.supports(x) and x.shape[-1] % 2 == 0
+            and (lib := _cpu.load()) is not None):
+        return _cpu.silu_and_mul(lib, x)
+    return None
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor | None:
+    """gelu(x[..., :d]) * x[..., d:] for x [..., 2d] ("tanh" or "none") in one Triton kernel on CUDA; else None."""
+    if use_fused_kernels(x) and x.dtype in _FUSED_DTYPES:
+        from tokenmill.kernels.triton.activation import gelu_and_mul as triton_gelu_and_mul
+
+        return triton_gelu_and_mul(x, approximate)
+    return None
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor, head_size: int, rotary_dim: int,
+                     is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RoPE of query and key (positions [T]; cos/sin_cache [max_position, rotary_dim // 2] float32) in one
+    kernel; returns new (query, key) shaped like the inputs, or None where no kernel applies.
+
+    CUDA: Triton, any style and rotary dim. CPU: C, neox style with rotary_dim == head_size only.
+    """
+    if use_fused_kernels(query):
+        from tokenmill.kernels.triton import rotary as ops
+
+        if ops.rotary_supported(query, key, head_size):
+            return ops.rotary_embedding(positions, query, key, cos_cache, sin_cache, head_size, rotary_dim,
+                                        is_neox_style)
+        return None
+    if (query.device.type == "cpu" and is_neox_style and rotary_dim == head_size
+            and _cpu.rope_supports(positions, query, key, cos_cache, sin_cache)
+            and (lib := _cpu.load()) is not None):
+        return _cpu.rotary_neox(lib, positions, query, key, cos_cache, sin_cache)
+    return None
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T]
+    (slot -1 skipped), in place, with the Triton kernel (`kernels.triton.reshape_and_cache`)."""
+    from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache as triton_reshape_and_cache
+
+    triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, **options) -> torch.Tensor:
+    """Varlen attention of mixed prefill chunks and decodes over the paged KV cache, Triton.
+
+    Arguments and keyword options (num_reqs, max_query_len, scale, sliding_window, logits_soft_cap, out,
+    max_seq_len, launch settings) as `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
+    """
+    from tokenmill.kernels.triton.paged_attention import paged_attention as triton_paged_attention
+
+    return triton_paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, **options)
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Top-k routed gated-MLP experts with Triton grouped GEMMs (CUDA): hidden [T, H], w13 [E, 2I, H],
+    w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] (`kernels.triton.fused_moe.fused_experts_triton`)."""
+    from tokenmill.kernels.triton.fused_moe import fused_experts_triton
+
+    return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
