@@ -9,7 +9,8 @@ import pytest
 
 from tokenmill.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.core.sched_output import ModelRunnerOutput
-from tokenmill.engine.core import EngineCore, check_kv_cache_fits
+from tokenmill.engine.core import EngineCore
+from tokenmill.worker.kv_cache import check_max_model_len_fits
 from tokenmill.executor.abstract import Executor
 from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
@@ -135,6 +136,6 @@ def test_kv_cache_too_small_names_largest_len(smollm2_gguf, caplog):
 
 
 def test_check_kv_cache_fits_boundary():
-    check_kv_cache_fits(4, 16, 64)
+    check_max_model_len_fits(4, 16, 64)
     with pytest.raises(ValueError):
-        check_kv_cache_fits(3, 16, 64)
+        check_max_model_len_fits(3, 16, 64)

@@ -41,44 +41,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
-
-
 def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
-    """Bytes one KV block takes over all layers (K and V), for the start-up log.
+    """Bytes one KV block takes over all layers of the whole model (K and V), for the start-up log.
 
-    2 * num_layers * block_size * num_kv_heads * head_dim * bytes(dtype), the
-    layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+    The formula is `worker.kv_cache.kv_bytes_per_block`, over the unsplit model
+    (every layer, every KV head). Raises ValueError for an unknown dtype name.
     """
+    from tokenmill.worker.kv_cache import kv_bytes_per_block
+
     mc = engine_config.model_config
     hf = mc.hf_config
     num_heads = int(getattr(hf, "num_attention_heads", 1))
     num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(hf, "head_dim", None) or int(hf.hidden_size) // num_heads
+    head_dim = int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // num_heads)
     num_layers = int(getattr(hf, "num_hidden_layers", 1))
-    dtype_bytes = _DTYPE_BYTES.get(str(mc.dtype).replace("torch.", ""), 2)
-    return 2 * num_layers * engine_config.cache_config.block_size * num_kv_heads * int(head_dim) * dtype_bytes
-
-
-def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, memory_hint: str | None = None) -> None:
-    """Raise when one `max_model_len` sequence cannot fit in the KV cache.
-
-    memory_hint: what would give the KV cache more memory here (see
-    `tokenmill.config.kv_memory_hint`); default names every such flag.
-
-    Raises:
-        ValueError: with the largest max_model_len that fits and the flags that help.
-    """
-    capacity = num_blocks * block_size
-    if capacity < max_model_len:
-        raise ValueError(
-            f"The KV cache holds {num_blocks} blocks x {block_size} tokens = {capacity} tokens, fewer than one "
-            f"sequence of max_model_len={max_model_len} needs. The largest max_model_len that fits is {capacity}; "
-            f"pass --max-model-len {capacity}, or "
-            + (memory_hint or "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization / "
-               "--num-gpu-blocks-override)")
-            + "."
-        )
+    return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, mc.dtype)
 
 
 def _executor_class(engine_config: EngineConfig) -> type[Executor]:
@@ -110,8 +87,10 @@ class EngineCore:
                              "(--kv-cache-memory-bytes / --gpu-memory-utilization) or use a smaller model.")
         max_model_len = sched_cfg.max_model_len
         self._log_kv_cache(num_blocks, cache.block_size, max_model_len)
-        check_kv_cache_fits(num_blocks, cache.block_size, max_model_len,
-                            kv_memory_hint(cache, engine_config.device_config.device))
+        from tokenmill.worker.kv_cache import check_max_model_len_fits
+
+        check_max_model_len_fits(num_blocks, cache.block_size, max_model_len,
+                                 kv_memory_hint(cache, engine_config.device_config.device))
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         if sched_cfg.async_scheduling and not self.executor.supports_async:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from tokenmill import envs
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.messages import (
     EngineCoreOutputs,
@@ -74,9 +75,9 @@ def core_num_threads(num_cpus: int | None = None, device: str = "cpu") -> int:
     """
     if num_cpus is None:
         num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    override = os.environ.get("TOKENMILL_CPU_THREADS")
+    override = envs.cpu_threads()
     if override:
-        return max(1, int(override))
+        return max(1, override)
     if device == "cpu" and num_cpus < RESERVE_FRONT_END_CPU_FROM:
         return num_cpus
     return max(1, num_cpus - 1)

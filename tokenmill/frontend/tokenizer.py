@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenmill import envs
+
 if TYPE_CHECKING:
     from tokenmill.config.configs import ModelConfig
 
@@ -29,8 +31,7 @@ _CACHE_MARKER = "tokenizer.json"
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
-    return Path(root) / "tokenizers"
+    return envs.cache_dir() / "tokenizers"
 
 
 def _gguf_cache_dir(gguf_path: Path) -> Path:
