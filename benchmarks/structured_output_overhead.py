@@ -72,7 +72,7 @@ class _Scheduler:
 
 def grammar_overhead(steps: int) -> dict[str, float]:
     """Mean/median ms per step of fill, apply and accept for BATCH live requests."""
-    from tokenmill.frontend.tokenizer import load_tokenizer
+    from tokenmill.model_loader.tokenizer import load_tokenizer
     from tokenmill.model_loader.source import bundled_gguf_path
 
     tok = load_tokenizer(bundled_gguf_path())

@@ -107,7 +107,7 @@ def model(client):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenmill.frontend.tokenizer import load_tokenizer
+    from tokenmill.model_loader.tokenizer import load_tokenizer
     from tokenmill.model_loader.source import bundled_gguf_path
 
     return load_tokenizer(bundled_gguf_path())

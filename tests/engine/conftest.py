@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_gguf):
     """SmolLM2's tokenizer from the GGUF (converted once, then from ~/.cache/tokenmill)."""
-    from tokenmill.frontend.tokenizer import load_tokenizer
+    from tokenmill.model_loader.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_gguf)
 

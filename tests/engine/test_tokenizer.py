@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.frontend.tokenizer import _gguf_cache_dir, apply_chat_template, get_tokenizer
+from tokenmill.model_loader.tokenizer import _gguf_cache_dir, get_tokenizer
+from tokenmill.frontend.chat_template import apply_chat_template
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -73,7 +74,7 @@ def test_gguf_conversion_equals_plain_transformers(smollm2_gguf, tmp_path, monke
 
     from transformers import AutoTokenizer
 
-    from tokenmill.frontend.tokenizer import load_tokenizer
+    from tokenmill.model_loader.tokenizer import load_tokenizer
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     ours = load_tokenizer(smollm2_gguf)

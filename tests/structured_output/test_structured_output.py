@@ -135,7 +135,7 @@ def test_grammar_rows_align_with_sampling_rows():
 
 @pytest.fixture(scope="module")
 def backend(smollm2_gguf):
-    from tokenmill.frontend.tokenizer import load_tokenizer
+    from tokenmill.model_loader.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_gguf)
     return tok, GrammarBackend(tok, VOCAB, [EOS])

@@ -222,7 +222,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         ValueError: it cannot be loaded.
     """
     try:
-        from tokenmill.frontend.tokenizer import load_tokenizer as _load
+        from tokenmill.model_loader.tokenizer import load_tokenizer as _load
     except ImportError:  # the engine's loader is optional for the benchmark client
         _load = None
     if _load is not None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.config.args import EngineArgs
 from tokenmill.config.configs import (
     CPU_KV_CACHE_BYTES,
     CacheConfig,
@@ -35,6 +34,9 @@ from tokenmill.models.registry import get_supported_archs, resolve_model_cls
 from tokenmill.platforms import current_platform
 from tokenmill.platforms.cuda import force_cc70_requested
 from tokenmill.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from tokenmill.config.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,12 @@ enters the scheduler and never leaves the engine-core process.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from tokenmill.engine.messages import EngineCoreRequest, FinishReason
+from tokenmill.core.outputs import FinishReason
+
+if TYPE_CHECKING:  # a type only: core/ never imports the process layer at run time
+    from tokenmill.engine.messages import EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):

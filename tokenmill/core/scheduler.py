@@ -65,7 +65,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 class Scheduler:

@@ -16,7 +16,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.gc_heap import gc_heap_frozen
 from tokenmill.frontend.input_processor import PromptType
 from tokenmill.frontend.llm_engine import LLMEngine
-from tokenmill.frontend.tokenizer import apply_chat_template
+from tokenmill.frontend.chat_template import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 

@@ -53,7 +53,7 @@ class AsyncLLM:
 
         from tokenmill.frontend.input_processor import InputProcessor, get_default_sampling_kwargs
         from tokenmill.frontend.output_processor import OutputProcessor
-        from tokenmill.frontend.tokenizer import get_tokenizer
+        from tokenmill.model_loader.tokenizer import get_tokenizer
 
         # The core process does the math; the front end only needs one thread
         # so it does not compete with the core for the CPUs.
@@ -136,7 +136,7 @@ class AsyncLLM:
         Raises:
             ValueError: no template, or the template rejects the messages.
         """
-        from tokenmill.frontend.tokenizer import apply_chat_template
+        from tokenmill.frontend.chat_template import apply_chat_template
 
         template = chat_template if chat_template is not None else self.model_config.chat_template
         text = apply_chat_template(self.tokenizer, messages, chat_template=template,

@@ -16,7 +16,7 @@ from tokenmill.engine.messages import SchedulerStats
 from tokenmill.frontend.input_processor import InputProcessor, PromptType, get_default_sampling_kwargs, get_prompt_text
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.parallel_sampling import make_child_requests
-from tokenmill.frontend.tokenizer import get_tokenizer
+from tokenmill.model_loader.tokenizer import get_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from tokenmill.structured_output.backend import GrammarBackend, bitmask_width
 from tokenmill.structured_output.spec import StructuredOutputSpec, get_spec
 
@@ -74,7 +74,7 @@ class StructuredOutputManager:
     # ---- set-up ---------------------------------------------------------------
 
     def _default_backend(self) -> GrammarBackend:
-        from tokenmill.frontend.tokenizer import get_tokenizer
+        from tokenmill.model_loader.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(self._model_config)
         if tokenizer is None:

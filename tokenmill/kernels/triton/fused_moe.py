@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.fused_moe.reference import act_and_mul
+from tokenmill.kernels.moe_activation import act_and_mul
 
 
 @triton.jit

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = ("silu", "gelu")
+from tokenmill.kernels.moe_activation import act_and_mul
+
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,20 +37,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids
-
-
-def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(x[..., :d]) * x[..., d:] for `[gate | up]` rows. x [..., 2d] -> [..., d].
-
-    Raises:
-        ValueError: `activation` is not "silu" or "gelu" (tanh approximation).
-    """
-    d = x.shape[-1] // 2
-    if activation == "silu":
-        return F.silu(x[..., :d]) * x[..., d:]
-    if activation == "gelu":
-        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
-    raise ValueError(f"MoE activation {activation!r} is not supported; supported: {', '.join(_ACTIVATIONS)}.")
 
 
 def fused_experts_reference(
