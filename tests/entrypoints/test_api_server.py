@@ -103,6 +103,21 @@ def test_chat_non_streaming_and_streaming_agree(call, fake_engine):
     assert all("usage" not in c or c["usage"] is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(call, route):
+    body = {"max_tokens": 3, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"prompt": "ab"} if "chat" not in route else {"messages": [{"role": "user", "content": "hi"}]})
+    status, raw = call("POST", route, body)
+    assert status == 200, raw
+    chunks = [json.loads(e) for e in _sse_events(raw)[:-1]]
+    assert all(c.get("usage") for c in chunks), chunks
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3  # cumulative, ending at the total
+    content = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                      (c["choices"][0].get("delta") or {}).get("content"))]
+    assert content and content[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_completion_stream_without_usage_has_no_usage_chunk(call):
     status, raw = call("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2, "stream": True})
     assert status == 200

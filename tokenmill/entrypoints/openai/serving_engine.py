@@ -256,10 +256,13 @@ class OpenAIServing:
     async def stream_response(self, req: Any, response_id: str, model: str, sub: Submission) -> AsyncIterator[str]:
         """SSE chunks: those of `stream_choices`, then the usage chunk when asked, then [DONE].
 
-        An error after the headers went out is reported in-band (`stream_error_body`), as vLLM does.
+        `stream_options.continuous_usage_stats` (with `include_usage`, as vLLM) also puts the usage so
+        far on every chunk. An error after the headers went out is reported in-band
+        (`stream_error_body`), as vLLM does.
         """
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": response_id, "object": self.chunk_object, "created": created,
@@ -271,7 +274,7 @@ class OpenAIServing:
         try:
             async with aclosing(self.stream_choices(req, sub)) as chunks:
                 async for choices in chunks:
-                    yield chunk(choices)
+                    yield chunk(choices, sub.usage().model_dump() if continuous else None)
             if include_usage:
                 yield chunk([], sub.usage().model_dump())
         except Exception as exc:  # noqa: BLE001 - after headers: report in-band
