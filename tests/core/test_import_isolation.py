@@ -46,3 +46,12 @@ def test_public_names_resolve_lazily():
     assert "tokenmill.entrypoints.llm" in loaded
     with pytest.raises(subprocess.CalledProcessError):
         _loaded_after("import tokenmill\ntokenmill.NoSuchName")
+
+
+def test_offline_llm_needs_no_serve_extra():
+    """`LLM` runs in one process: the serve extra's packages (msgspec for the wire codec, zmq,
+    FastAPI, uvicorn, prometheus-client) must not be imported by it."""
+    serve_only = ("msgspec", "zmq", "fastapi", "uvicorn", "prometheus_client")
+    block = "".join(f"sys.modules[{m!r}] = None\n" for m in serve_only)
+    loaded = _loaded_after(f"{block}from tokenmill import LLM\nimport tokenmill.frontend.llm_engine")
+    assert "tokenmill.entrypoints.llm" in loaded and "tokenmill.engine.messages" in loaded

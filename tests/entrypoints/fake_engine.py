@@ -13,7 +13,7 @@ import asyncio
 import json
 from typing import Any
 
-from tokenmill.engine.messages import SchedulerStats
+from tokenmill.core.outputs import SchedulerStats
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 

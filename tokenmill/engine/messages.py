@@ -24,11 +24,10 @@ and the set is put back after decoding.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from tokenmill.sampling_params import SamplingParams
@@ -65,16 +64,23 @@ class MessageKind:
     FATAL = b"FATAL"
 
 
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(tuple[EngineCoreRequest, list[int]])
-_outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-_any_decoder = msgspec.msgpack.Decoder()
+@functools.cache
+def _codec() -> tuple[Any, Any, Any, Any]:
+    """(encoder, request decoder, outputs decoder, any decoder), built at first use.
+
+    msgspec is imported here, not at module import: it comes with the `serve` extra, and the
+    offline `LLM` (one process) uses the message types without ever encoding them.
+    """
+    import msgspec
+
+    return (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(tuple[EngineCoreRequest, list[int]]),
+            msgspec.msgpack.Decoder(EngineCoreOutputs), msgspec.msgpack.Decoder())
 
 
 def encode_request(request: EngineCoreRequest) -> bytes:
     """Serialize one `EngineCoreRequest` (with its full stop-id set)."""
     stop_ids = sorted(request.sampling_params.all_stop_token_ids)
-    return _encoder.encode((request, stop_ids))
+    return _codec()[0].encode((request, stop_ids))
 
 
 def decode_request(payload: bytes) -> EngineCoreRequest:
@@ -84,26 +90,26 @@ def decode_request(payload: bytes) -> EngineCoreRequest:
         msgspec.DecodeError / msgspec.ValidationError: the bytes are not an
             encoded request.
     """
-    request, stop_ids = _request_decoder.decode(payload)
+    request, stop_ids = _codec()[1].decode(payload)
     request.sampling_params.all_stop_token_ids = set(stop_ids)
     return request
 
 
 def encode_outputs(outputs: EngineCoreOutputs) -> bytes:
     """Serialize one step's `EngineCoreOutputs` (stats included)."""
-    return _encoder.encode(outputs)
+    return _codec()[0].encode(outputs)
 
 
 def decode_outputs(payload: bytes) -> EngineCoreOutputs:
     """Inverse of `encode_outputs`."""
-    return _outputs_decoder.decode(payload)
+    return _codec()[2].decode(payload)
 
 
 def encode_obj(obj: Any) -> bytes:
     """Serialize a plain value (str, list, dict of builtins)."""
-    return _encoder.encode(obj)
+    return _codec()[0].encode(obj)
 
 
 def decode_obj(payload: bytes) -> Any:
     """Inverse of `encode_obj` (builtins only)."""
-    return _any_decoder.decode(payload)
+    return _codec()[3].decode(payload)
