@@ -1,4 +1,4 @@
-"""Pick the attention backend for a device (see the table in DESIGN.md)."""
+"""Pick the attention backend for a device (the table in docs/architecture.md)."""
 
 from __future__ import annotations
 

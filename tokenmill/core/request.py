@@ -39,7 +39,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     """One sequence being served.
 
-    Token spans (the one scheduling counter; see DESIGN.md):
+    Token spans (the one scheduling counter; see docs/architecture.md):
 
         | prompt_token_ids | output_token_ids |
         |<---- num_computed_tokens ---->|<- to compute ->|

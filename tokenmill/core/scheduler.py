@@ -1,6 +1,6 @@
 """Scheduler: continuous batching over a paged KV cache (pure Python, no torch).
 
-One counter drives everything (DESIGN.md): each step a request gets
+One counter drives everything (docs/architecture.md): each step a request gets
 `num_new_tokens` so that `num_computed_tokens` catches up with `num_tokens`
 (prompt + output so far). There is no prefill or decode phase; a step mixes
 prefill chunks and decodes under two limits, `max_num_batched_tokens` (the

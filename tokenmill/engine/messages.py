@@ -10,7 +10,7 @@ import it without pulling in the other's code.
 Every message is a two-frame zmq multipart: `[kind, payload]`, where `kind`
 is one of the `MessageKind` byte strings below and `payload` is msgpack.
 
-    front end -> core:  ADD (EngineCoreRequest) | ABORT (list[str]) | SHUTDOWN (b"")
+    front end -> core:  ADD (EngineCoreRequest) | ABORT ([request_ids, status]) | SHUTDOWN (b"")
     core -> front end:  READY (dict) | STARTUP_ERROR (str) | OUTPUTS (EngineCoreOutputs)
                         | REQUEST_ERROR ([request_id, message]) | FATAL (str)
 

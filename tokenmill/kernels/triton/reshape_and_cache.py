@@ -1,6 +1,6 @@
 """Triton kernel: write a step's new keys/values into the paged KV cache.
 
-Cache layout (see docs/architecture.md and DESIGN.md, "KV cache"):
+Cache layout (see docs/architecture.md, "KV cache"):
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
               [0] = keys, [1] = values
