@@ -67,6 +67,11 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that matched
     num_cached_tokens: int = 0
+    # On a request's first output only, when it asked for prompt_logprobs:
+    # rows for prompt tokens 1 .. P - 1, [actual, top1..topk] ids and logprobs, the actual token's rank.
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprobs: list[list[float]] | None = None
+    prompt_token_ranks: list[int] | None = None
     # Set on a request's first output only: when the scheduler first admitted
     # it (time.time() in the core; queue time = scheduled_time - arrival_time).
     scheduled_time: float | None = None
@@ -119,7 +124,7 @@ class Request:
             still running while the next one is scheduled): at most 2, between
             scheduling step N+1 and reading step N back.
         needs_sync: its sampling reads the tokens generated so far (penalties,
-            min_tokens, structured output), so steps holding it are not
+            min_tokens, bad_words, structured output), so steps holding it are not
             scheduled ahead of their results.
     """
 
@@ -149,7 +154,7 @@ class Request:
         self.num_output_placeholders = 0
         p = req.sampling_params
         self.needs_sync = bool(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens or p.bad_words
             or (p.extra_args and p.extra_args.get(STRUCTURED_OUTPUTS_KEY)))
 
     @property
