@@ -42,9 +42,12 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(req.model)
         prompts = req.prompts()
         self.check_logprobs(req.logprobs)
+        self.check_request_fields(req)
         for p in prompts:
             if not isinstance(p, str):
                 self.check_token_ids(p, "prompt")
+        if not req.add_special_tokens:
+            prompts = [self._without_special_tokens(p) for p in prompts]
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params, len(prompts))
         response_id = self.response_id("cmpl", req.request_id, raw_request)
@@ -62,14 +65,20 @@ class OpenAIServingCompletion(OpenAIServing):
         for c in sub.ordered_choices():
             comp = c.last
             assert comp is not None, "a finished request always has an output"
-            text = comp.text
+            text = "" if req.echo_only else comp.text
+            logprobs = None
+            if req.logprobs is not None:
+                positions, token_ids = ([], []) if req.echo_only else (comp.logprobs or [], comp.token_ids)
+                if req.echo:
+                    positions, token_ids = self._echo_positions(sub, c.prompt_index, positions, token_ids)
+                logprobs = self._logprobs(positions, token_ids, 0, req.logprobs, bool(req.return_tokens_as_token_ids))
             if req.echo:
                 text = self._prompt_text(sub, c.prompt_index) + text
-            logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, 0, req.logprobs) \
-                if req.logprobs is not None else None
-            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                            finish_reason=finish_reason_text(comp.finish_reason),
-                                            stop_reason=comp.stop_reason))
+            choices.append(CompletionChoice(
+                index=c.index, text=text, logprobs=logprobs, finish_reason=finish_reason_text(comp.finish_reason),
+                stop_reason=comp.stop_reason, prompt_logprobs=self.prompt_logprobs_body(
+                    sub.prompt_logprobs.get(c.prompt_index) if req.prompt_logprobs is not None else None,
+                    bool(req.return_tokens_as_token_ids))))
         prompt_tokens, completion_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens,
@@ -107,14 +116,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if choice.finished:
             return None
         prefix = ""
-        if req.echo and choice.num_text_chars == 0 and choice.num_tokens == 0:
+        first = choice.num_text_chars == 0 and choice.num_tokens == 0 and choice.num_logprobs == 0
+        if req.echo and first:
             prefix = self._prompt_text(sub, choice.prompt_index)
-        delta = comp.text[choice.num_text_chars:]
+        delta = "" if req.echo_only else comp.text[choice.num_text_chars:]
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._logprobs((comp.logprobs or [])[choice.num_logprobs:],
-                                      comp.token_ids[choice.num_logprobs:], choice.num_text_chars,
-                                      req.logprobs).model_dump()
+            positions = [] if req.echo_only else (comp.logprobs or [])[choice.num_logprobs:]
+            token_ids = [] if req.echo_only else comp.token_ids[choice.num_logprobs:]
+            offset = choice.num_text_chars
+            if req.echo and first:
+                positions, token_ids = self._echo_positions(sub, choice.prompt_index, positions, token_ids)
+            logprobs = self._logprobs(positions, token_ids, offset, req.logprobs,
+                                      bool(req.return_tokens_as_token_ids)).model_dump()
             choice.num_logprobs = len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
         choice.num_text_chars = len(comp.text)
@@ -125,6 +139,21 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"index": choice.index, "text": prefix + delta, "logprobs": logprobs,
                 "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}
 
+    @staticmethod
+    def _echo_positions(sub: Submission, prompt_index: int, positions: list[PositionLogprobs],
+                        token_ids: list[int]) -> tuple[list[PositionLogprobs | None], list[int]]:
+        """The prompt's logprob positions and ids put before the completion's (echo with logprobs)."""
+        prompt_ids = sub.prompt_token_ids.get(prompt_index, [])
+        prompt_lps = sub.prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
+        return [*prompt_lps, *positions], [*prompt_ids, *token_ids]
+
+    def _without_special_tokens(self, prompt: str | list[int]) -> str | dict[str, Any]:
+        """A text prompt tokenized without BOS/EOS (add_special_tokens: false); token ids pass as they are."""
+        tok = self.engine.tokenizer
+        if not isinstance(prompt, str) or tok is None:
+            return prompt
+        return {"prompt": prompt, "prompt_token_ids": list(tok.encode(prompt, add_special_tokens=False))}
+
     def _prompt_text(self, sub: Submission, prompt_index: int) -> str:
         """The prompt as text for `echo` (token-id prompts are decoded)."""
         text = sub.prompt_texts.get(prompt_index)
@@ -134,19 +163,24 @@ class OpenAIServingCompletion(OpenAIServing):
             text = tok.decode(ids) if tok is not None and ids else ""
         return text
 
-    def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], text_offset: int,
-                  num_top: int) -> CompletionLogprobs:
-        """Legacy completions logprobs for `positions` (one dict per generated token)."""
+    def _logprobs(self, positions: list[PositionLogprobs | None], token_ids: list[int], text_offset: int,
+                  num_top: int, as_token_ids: bool = False) -> CompletionLogprobs:
+        """Legacy completions logprobs: one entry per token; a None position (an echoed first prompt token) gives
+        a None logprob and top_logprobs entry, as OpenAI's and vLLM's echo do."""
         tok = self.engine.tokenizer
         out = CompletionLogprobs()
         offset = text_offset
         for pos, tid in zip(positions, token_ids):
-            sampled = pos.get(tid)
-            text = token_text(tok, tid, sampled.decoded_token if sampled else None)
+            sampled = pos.get(tid) if pos is not None else None
+            text = token_text(tok, tid, sampled.decoded_token if sampled else None, as_token_ids)
             out.tokens.append(text)
             out.token_logprobs.append(sampled.logprob if sampled else None)
             out.text_offset.append(offset)
             offset += len(text)
+            if pos is None:
+                out.top_logprobs.append(None)
+                continue
             top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
-            out.top_logprobs.append({token_text(tok, t, lp.decoded_token): lp.logprob for t, lp in top} or None)
+            out.top_logprobs.append({token_text(tok, t, lp.decoded_token, as_token_ids): lp.logprob
+                                     for t, lp in top} or None)
         return out

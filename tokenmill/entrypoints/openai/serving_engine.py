@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.entrypoints.openai.protocol import random_id
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class Submission:
     prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # prompt index -> prompt tokens served from the prefix cache
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    # prompt index -> RequestOutput.prompt_logprobs (when prompt_logprobs was asked)
+    prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
 
     def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
         """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
@@ -75,6 +77,8 @@ class Submission:
         self.cached_tokens[p_idx] = out.num_cached_tokens
         if out.prompt is not None:
             self.prompt_texts[p_idx] = out.prompt
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[p_idx] = out.prompt_logprobs
         pairs = []
         for comp in out.outputs:
             choice = self.choices[p_idx * self.n + comp.index]
@@ -173,11 +177,41 @@ class OpenAIServing:
             raise ModelNotFoundError(model, self.served_model_names)
         return model
 
-    def check_logprobs(self, logprobs: int | None) -> None:
+    def check_logprobs(self, logprobs: int | None, field_name: str = "logprobs") -> None:
         """Raises ValueError when more top logprobs are asked than --max-logprobs allows."""
         if logprobs is not None and logprobs > self.max_logprobs:
-            raise ValueError(f"At most {self.max_logprobs} logprobs per token may be requested, got {logprobs} "
+            raise ValueError(f"At most {self.max_logprobs} {field_name} per token may be requested, got {logprobs} "
                              "(the server's --max-logprobs).")
+
+    def check_request_fields(self, req: Any) -> None:
+        """Server-side bounds of the fields both endpoints share.
+
+        Raises:
+            ValueError: prompt_logprobs above --max-logprobs, truncate_prompt_tokens
+                above max_model_len, or a priority without --scheduling-policy priority.
+        """
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        max_model_len = getattr(self.engine, "max_model_len", None)
+        n = req.truncate_prompt_tokens
+        if n is not None and max_model_len is not None and n > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({n}) is larger than this model's maximum context length "
+                             f"({max_model_len} tokens); give at most {max_model_len}, or -1 for max_model_len.")
+        sched = getattr(getattr(self.engine, "engine_config", None), "scheduler_config", None)
+        policy = getattr(sched, "policy", None)
+        if req.priority and policy is not None and policy != "priority":
+            raise ValueError(f"priority {req.priority} was given, but this server schedules first come, first "
+                             "served; start it with --scheduling-policy priority to use priorities.")
+
+    def prompt_logprobs_body(self, positions: list[PositionLogprobs | None] | None,
+                             as_token_ids: bool = False) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` JSON: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        if positions is None:
+            return None
+        tok = self.engine.tokenizer
+        return [None if pos is None else {
+            str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                       "decoded_token": token_text(tok, tid, lp.decoded_token, as_token_ids)}
+            for tid, lp in pos.items()} for pos in positions]
 
     def submit(self, request_id: str, prompts: list[Any], params: SamplingParams, priority: int = 0,
                cache_salt: str | None = None) -> Submission:
@@ -252,8 +286,13 @@ def finish_reason_text(reason: Any) -> str | None:
     return None if reason is None else str(reason)
 
 
-def token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
-    """The text shown for one token in logprobs (the engine's, else decoded here)."""
+def token_text(tokenizer: Any, token_id: int, decoded: str | None, as_token_id: bool = False) -> str:
+    """The text shown for one token in logprobs (the engine's, else decoded here).
+
+    as_token_id: `return_tokens_as_token_ids`: "token_id:<id>" instead of text.
+    """
+    if as_token_id:
+        return f"token_id:{token_id}"
     if decoded is not None:
         return decoded
     if tokenizer is None:
