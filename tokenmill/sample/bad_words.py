@@ -42,8 +42,9 @@ def tokenize_bad_words(tokenizer: Any, words: list[str], vocab_size: int) -> lis
     out: list[list[int]] = []
     for word in words:
         stripped = word.lstrip()
-        variants = [list(tokenizer.encode(text, add_special_tokens=False)) for text in (stripped, " " + stripped)]
-        if not stripped or not variants[0]:
+        variants = [list(tokenizer.encode(text, add_special_tokens=False)) for text in (stripped, " " + stripped)] \
+            if stripped else []
+        if not variants or not variants[0]:
             raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens; remove it or give a non-blank word.")
         for ids in variants:
             if ids and ids not in out:

@@ -113,6 +113,8 @@ class _SamplingRequest(OpenAIModel):
     presence_penalty: float | None = _finite(0.0)
     frequency_penalty: float | None = _finite(0.0)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    # OpenAI's end-user id: abuse-monitoring metadata, nothing to do here (vLLM ignores it too).
+    user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
     min_p: float | None = _finite()

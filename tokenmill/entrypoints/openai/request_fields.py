@@ -48,7 +48,6 @@ IGNORED: dict[str, str] = {
     "store": "tokenmill stores no completions",
     "metadata": "tokenmill stores no completions",
     "service_tier": "tokenmill has one service tier",
-    "user": "tokenmill does no per-user monitoring",
 }
 
 _logged: set[str] = set()

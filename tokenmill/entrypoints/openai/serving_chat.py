@@ -114,10 +114,16 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
             streamers = {c.index: req._output_parser.streamer() for c in sub.ordered_choices()}
+            # stream_options.continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
+            continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
             async for out in sub.stream:
                 for choice, comp in sub.record(out):
                     for delta in self._delta_choice(req, choice, comp, streamers[choice.index]):
-                        yield chunk([delta])
+                        usage = None
+                        if continuous:
+                            p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
+                            usage = {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens}
+                        yield chunk([delta], usage)
             if include_usage:
                 p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
                 yield chunk([], {"prompt_tokens": p, "completion_tokens": c_tokens, "total_tokens": p + c_tokens,

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     positions, token_ids = self._echo_positions(sub, c.prompt_index, positions, token_ids)
                 logprobs = self._logprobs(positions, token_ids, 0, req.logprobs, bool(req.return_tokens_as_token_ids))
             if req.echo:
-                text = self._prompt_text(sub, c.prompt_index) + text
+                text = self._prompt_text(sub, c.prompt_index, req.truncate_prompt_tokens is not None) + text
             choices.append(CompletionChoice(
                 index=c.index, text=text, logprobs=logprobs, finish_reason=finish_reason_text(comp.finish_reason),
                 stop_reason=comp.stop_reason, prompt_logprobs=self.prompt_logprobs_body(
@@ -90,13 +90,19 @@ class OpenAIServingCompletion(OpenAIServing):
         """SSE chunks: text deltas per choice, finish reasons, optional usage chunk, [DONE]."""
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # stream_options.continuous_usage_stats: every chunk carries the usage so far (vLLM's extension).
+        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             async for out in sub.stream:
                 for choice, comp in sub.record(out):
                     chunk = self._delta_choice(req, sub, choice, comp)
                     if chunk is not None:
-                        yield sse({"id": response_id, "object": "text_completion", "created": created,
-                                   "model": model, "choices": [chunk]})
+                        body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+                                "choices": [chunk]}
+                        if continuous:
+                            p, c = sub.num_prompt_tokens(), sub.num_completion_tokens()
+                            body["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+                        yield sse(body)
             if include_usage:
                 p, c = sub.num_prompt_tokens(), sub.num_completion_tokens()
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
@@ -118,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prefix = ""
         first = choice.num_text_chars == 0 and choice.num_tokens == 0 and choice.num_logprobs == 0
         if req.echo and first:
-            prefix = self._prompt_text(sub, choice.prompt_index)
+            prefix = self._prompt_text(sub, choice.prompt_index, req.truncate_prompt_tokens is not None)
         delta = "" if req.echo_only else comp.text[choice.num_text_chars:]
         logprobs = None
         if req.logprobs is not None:
@@ -154,9 +160,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt
         return {"prompt": prompt, "prompt_token_ids": list(tok.encode(prompt, add_special_tokens=False))}
 
-    def _prompt_text(self, sub: Submission, prompt_index: int) -> str:
-        """The prompt as text for `echo` (token-id prompts are decoded)."""
-        text = sub.prompt_texts.get(prompt_index)
+    def _prompt_text(self, sub: Submission, prompt_index: int, truncated: bool = False) -> str:
+        """The prompt as text for `echo` (token-id prompts, and prompts cut by truncate_prompt_tokens, are decoded)."""
+        text = None if truncated else sub.prompt_texts.get(prompt_index)
         if text is None:
             ids = sub.prompt_token_ids.get(prompt_index, [])
             tok = self.engine.tokenizer
