@@ -126,3 +126,18 @@ def test_allowed_token_ids_and_logit_bias_take_effect(llm):
     assert set(ids) <= set(allowed)
     forced = tok.encode(" cheese", add_special_tokens=False)[0]
     assert _greedy(llm, PROMPT, logit_bias={forced: 100.0}).outputs[0].token_ids[:3] == [forced] * 3
+
+
+def test_chat_continue_final_message_and_template_variables(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite is"}]
+    cont = llm.chat(msgs, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("My favourite is")  # the reply is continued, its turn left open
+    closed = llm.chat(msgs, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert not closed.prompt.endswith("My favourite is")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(msgs, params, use_tqdm=False, continue_final_message=True)
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}{{ tail }}"
+    out = llm.chat(msgs[:1], params, use_tqdm=False, chat_template=template, chat_template_kwargs={
+        "documents": [{"title": "a", "text": "red"}], "tail": "!"})[0]
+    assert out.prompt == "[a: red]Name a color.!"
