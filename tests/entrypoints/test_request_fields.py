@@ -41,7 +41,7 @@ def test_sampling_fields_reach_the_engine(call, fake_engine):
     p = _params(fake_engine)
     assert (p.bad_words, p.prompt_logprobs, p.truncate_prompt_tokens) == (["x y"], 2, 2)
     assert (p.allowed_token_ids, p.logit_bias) == ([1, 2], {3: 1.5})
-    assert (p.spaces_between_special_tokens, p.skip_special_tokens, p.include_stop_str_in_output) == (False, False, True)
+    assert not p.spaces_between_special_tokens and not p.skip_special_tokens and p.include_stop_str_in_output
     assert (p.min_p, p.seed) == (0.1, 7)
 
 

@@ -68,6 +68,7 @@ def bad_word_masked_ids(sequences: list[list[int]], output_token_ids: list[int])
     masked = []
     for seq in sequences:
         prefix = len(seq) - 1
-        if prefix == 0 or (prefix <= len(output_token_ids) and output_token_ids[len(output_token_ids) - prefix:] == seq[:-1]):
+        tail = output_token_ids[len(output_token_ids) - prefix :] if prefix <= len(output_token_ids) else None
+        if prefix == 0 or tail == seq[:-1]:
             masked.append(seq[-1])
     return masked

@@ -348,7 +348,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+        explicit = "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and self.add_generation_prompt and explicit:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; set "
                              "add_generation_prompt to false to continue the last message.")
         return self._sampling_params(max_tokens, logprobs, None, defaults, self.prompt_logprobs)

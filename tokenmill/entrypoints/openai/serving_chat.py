@@ -91,7 +91,8 @@ class OpenAIServingChat(OpenAIServing):
                           prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sub.num_cached_tokens()))
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
-            prompt_logprobs = self.prompt_logprobs_body(sub.prompt_logprobs.get(0), bool(req.return_tokens_as_token_ids))
+            prompt_logprobs = self.prompt_logprobs_body(sub.prompt_logprobs.get(0),
+                                                        bool(req.return_tokens_as_token_ids))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs)
 

@@ -204,7 +204,8 @@ class OpenAIServing:
 
     def prompt_logprobs_body(self, positions: list[PositionLogprobs | None] | None,
                              as_token_ids: bool = False) -> list[dict[str, dict[str, Any]] | None] | None:
-        """vLLM's `prompt_logprobs` JSON: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        """vLLM's `prompt_logprobs` JSON: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
         if positions is None:
             return None
         tok = self.engine.tokenizer
