@@ -76,7 +76,9 @@ class RequestOutput:
     finished: every completion has finished.
     num_cached_tokens: prompt tokens served from the prefix cache.
     metrics: timing of the request.
-    prompt_logprobs: vLLM's field; not computed yet (always None).
+    prompt_logprobs: with `SamplingParams.prompt_logprobs` set: one entry per
+        prompt token, None for the first, then token id -> Logprob holding
+        the actual token and the top-k (vLLM's PromptLogprobs); else None.
     """
 
     request_id: str

@@ -92,6 +92,12 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> bias added to its logit (OpenAI semantics, [-100, 100]).
         allowed_token_ids: if set, only these tokens can be sampled.
+        bad_words: words never to generate. Each is tokenized with and
+            without a leading space; the last token of a variant is masked
+            whenever the tokens generated just before match the rest of it
+            (vLLM's rule; see `tokenmill/sample/bad_words.py`).
+        truncate_prompt_tokens: keep only the last N prompt tokens (-1:
+            max_model_len); None keeps the whole prompt.
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY outputs while running.
         structured_outputs: constrain the output to a JSON schema, regex,
             choice list or grammar (`StructuredOutputsParams`; a dict with its
@@ -127,6 +133,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # alias, moved to structured_outputs
@@ -135,6 +143,8 @@ class SamplingParams:
     # Filled by the engine: EOS and generation-config stop ids. Not user-set.
     all_stop_token_ids: set[int] = field(default_factory=set)
     eos_token_id: int | None = None
+    # Filled by the engine from `bad_words`: the token-id sequences to block. Not user-set.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -210,6 +220,12 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
+        if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError("bad_words must be a list of strings.")
+        if self.truncate_prompt_tokens is not None and (
+                self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, "
+                             f"got {self.truncate_prompt_tokens}.")
 
     @property
     def sampling_type_greedy(self) -> bool:

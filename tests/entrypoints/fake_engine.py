@@ -70,6 +70,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
         self.healthy = True
+        # The keyword arguments of the last apply_chat_template call.
+        self.template_kwargs: dict[str, Any] = {}
 
     async def check_health(self) -> None:
         if not self.healthy:
@@ -80,6 +82,7 @@ class FakeEngine:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        self.template_kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "assistant:"
@@ -87,6 +90,10 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0,
                     stream: FakeStream | None = None) -> FakeStream:
+        text_prompt = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict):  # {"prompt": text, "prompt_token_ids": ids} (add_special_tokens, cache_salt)
+            text_prompt = prompt.get("prompt")
+            prompt = prompt["prompt_token_ids"] if prompt.get("prompt_token_ids") is not None else prompt["prompt"]
         if isinstance(prompt, str):
             if prompt == "boom":
                 raise RuntimeError("simulated engine bug")
@@ -101,7 +108,11 @@ class FakeEngine:
         self.requests[request_id] = (ids, params)
         stream = stream or FakeStream(self)
         stream.unfinished.add(request_id)
-        text_prompt = prompt if isinstance(prompt, str) else None
+        # Prompt logprobs: position i holds token ids[i] at logprob -i (rank i) and token 7 at -0.25 (rank 1).
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [{ids[i]: Logprob(-float(i), i, chr(ids[i])), 7: Logprob(-0.25, 1, "x")}
+                                        for i in range(1, len(ids))]
         steps = range(1, max_tokens + 1)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             steps = range(max_tokens, max_tokens + 1)
@@ -115,7 +126,8 @@ class FakeEngine:
                 comps.append(CompletionOutput(index=idx, text=fake_completion_text(k),
                                               token_ids=list(range(100, 100 + k)), logprobs=logprobs,
                                               finish_reason="length" if done else None))
-            stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done))
+            stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done,
+                                              prompt_logprobs=prompt_logprobs))
         stream.hang = prompt == "hang"
         if prompt == "die":  # the core dies after the first output
             from tokenmill.frontend.core_client import EngineDeadError

@@ -83,9 +83,12 @@ class KVCacheManager:
 
         Returns:
             (blocks, num_computed_tokens): the hit blocks in order and
-            `len(blocks) * block_size`; ([], 0) with caching off.
+            `len(blocks) * block_size`; ([], 0) with caching off, or for a
+            request that wants prompt_logprobs and has generated nothing yet.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
+                                       and not request.output_token_ids):
+            # Prompt logprobs need the logits of every prompt position (worker/prompt_logprobs.py).
             return [], 0
         block_hashes = update_block_hashes(self.block_size, request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

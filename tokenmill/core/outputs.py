@@ -35,6 +35,11 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that matched
     num_cached_tokens: int = 0
+    # On a request's first output only, when it asked for prompt_logprobs:
+    # rows for prompt tokens 1 .. P - 1, [actual, top1..topk] ids and logprobs, the actual token's rank.
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprobs: list[list[float]] | None = None
+    prompt_token_ranks: list[int] | None = None
     # Set on a request's first output only: when the scheduler first admitted
     # it (time.time() in the core; queue time = scheduled_time - arrival_time).
     scheduled_time: float | None = None

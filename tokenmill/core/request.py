@@ -59,7 +59,7 @@ class Request:
             still running while the next one is scheduled): at most 2, between
             scheduling step N+1 and reading step N back.
         needs_sync: its sampling reads the tokens generated so far (penalties,
-            min_tokens, structured output), so steps holding it are not
+            min_tokens, bad_words, structured output), so steps holding it are not
             scheduled ahead of their results.
     """
 
@@ -89,7 +89,7 @@ class Request:
         self.num_output_placeholders = 0
         p = req.sampling_params
         self.needs_sync = bool(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens or p.bad_words
             or p.structured_outputs is not None)
 
     @property

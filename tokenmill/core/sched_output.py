@@ -102,3 +102,7 @@ class ModelRunnerOutput:
     # Row i for req_ids[i]; None when no request in the step asked for logprobs.
     # Rows of requests that did not sample or did not ask are empty lists.
     logprobs: LogprobsLists | None = None
+    # req_id -> prompt logprobs (rows for prompt tokens 1 .. P - 1, the actual
+    # token first in each row), for requests whose prompt finished this step
+    # and that asked for prompt_logprobs; gathered over all prefill chunks.
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)

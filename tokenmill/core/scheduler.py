@@ -420,6 +420,10 @@ class Scheduler:
                 out.new_logprob_token_ids = [lp.logprob_token_ids[index]]
                 out.new_logprobs = [lp.logprobs[index]]
                 out.new_sampled_token_ranks = [lp.sampled_token_ranks[index]]
+            if mro.prompt_logprobs_dict and (plp := mro.prompt_logprobs_dict.get(req_id)) is not None:
+                out.prompt_logprob_token_ids = plp.logprob_token_ids
+                out.prompt_logprobs = plp.logprobs
+                out.prompt_token_ranks = plp.sampled_token_ranks
             outputs.append(out)
             if stopped:
                 finished.append(request)

@@ -89,7 +89,8 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them.
 
         Args:
@@ -98,21 +99,31 @@ class LLM:
             chat_template: a file path or Jinja text (default: --chat-template,
                 else the tokenizer's).
             add_generation_prompt: end the prompt with the assistant turn's opening.
-            chat_template_kwargs: extra template variables.
+            chat_template_kwargs: extra template variables (e.g. `documents`).
+            continue_final_message: continue the last message (e.g. a partial
+                assistant reply) instead of opening a new turn; needs
+                add_generation_prompt=False.
 
         Returns:
             One finished `RequestOutput` per conversation, in input order.
 
         Raises:
-            ValueError: no chat template, or an invalid prompt/parameter.
+            ValueError: no chat template, or an invalid prompt/parameter, or
+                both continue_final_message and add_generation_prompt.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; pass "
+                             "add_generation_prompt=False to continue the last message.")
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template if chat_template is not None else self.llm_engine.model_config.chat_template
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
             text = apply_chat_template(tokenizer, list(conv), chat_template=template,
-                                       add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+                                       add_generation_prompt=add_generation_prompt, **kwargs)
             # The template wrote BOS and role markers itself; add nothing more.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self._run(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)

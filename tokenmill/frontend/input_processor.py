@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.sample.bad_words import tokenize_bad_words
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.spec import validate_structured_outputs
 
@@ -47,6 +48,22 @@ def get_default_sampling_kwargs(model_config: ModelConfig) -> dict[str, Any]:
     """
     gen = model_config.generation_config or {}
     return {field: gen[key] for key, field in _GEN_CONFIG_KEYS.items() if gen.get(key) is not None}
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The last `truncate_prompt_tokens` ids of the prompt (-1: the last max_model_len; None: all).
+
+    Raises:
+        ValueError: truncate_prompt_tokens is above max_model_len.
+    """
+    if truncate_prompt_tokens is None:
+        return token_ids
+    if truncate_prompt_tokens > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) is larger than this model's maximum "
+                         f"context length ({max_model_len} tokens); give at most {max_model_len}, or -1 for "
+                         "max_model_len.")
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[-keep:]
 
 
 def get_prompt_text(prompt: PromptType) -> str | None:
@@ -117,7 +134,10 @@ class InputProcessor:
         token_ids, salt = self._prompt_token_ids(prompt, add_special_tokens)
         cache_salt = cache_salt if cache_salt is not None else salt
         params = sampling_params.clone()
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         self._validate(token_ids, params)
+        if params.bad_words:
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words, self.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
@@ -167,7 +187,7 @@ class InputProcessor:
                              "ask for fewer or start the engine with a larger --max-logprobs.")
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"Requested {params.prompt_logprobs} prompt_logprobs, but at most {max_logprobs} "
-                             "are allowed.")
+                             "are allowed; ask for fewer or start the engine with a larger --max-logprobs.")
         validate_structured_outputs(params.structured_outputs)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("Stop strings need detokenized text; they cannot be used with skip_tokenizer_init or "

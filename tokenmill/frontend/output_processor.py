@@ -60,6 +60,8 @@ class RequestState:
         self.token_ids: list[int] = []
         self.text = ""  # decoded text after stop-string truncation
         self.want_logprobs = params.logprobs is not None
+        # [None, {token_id: Logprob}, ...] once the core sent them (prompt_logprobs asked), else None.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -213,6 +215,9 @@ class OutputProcessor:
             token_ids = state.token_ids
             token_ids.extend(new_ids)
             metrics.num_generation_tokens = len(token_ids)
+        if eco.prompt_logprob_token_ids is not None:
+            state.prompt_logprobs = [None, *make_step_logprobs(self.tokenizer, eco.prompt_logprob_token_ids,
+                                                               eco.prompt_logprobs, eco.prompt_token_ranks)]
         if state.want_logprobs and eco.new_logprob_token_ids:
             step_lps = make_step_logprobs(self.tokenizer, eco.new_logprob_token_ids, eco.new_logprobs,
                                           eco.new_sampled_token_ranks)
@@ -253,7 +258,8 @@ class OutputProcessor:
             if completion is None:
                 return None
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
-                                 completion.finished(), state.num_cached_tokens, state.metrics)
+                                 completion.finished(), state.num_cached_tokens, state.metrics,
+                                 state.prompt_logprobs)
         if completion is not None:
             parent.child_outputs[state.index] = completion
         if state.finished():
@@ -274,4 +280,4 @@ class OutputProcessor:
         else:
             outputs = [parent.child_outputs[i] for i in sorted(parent.child_outputs)]
         return RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             state.num_cached_tokens, state.metrics)
+                             state.num_cached_tokens, state.metrics, state.prompt_logprobs)

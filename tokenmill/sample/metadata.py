@@ -43,7 +43,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # [S, V] bool: True where a token is NOT allowed (rows without a list are all False).
     disallowed_mask: torch.Tensor | None = None
-    # (rows [N], token ids [N]): stop tokens masked because min_tokens is not reached.
+    # (rows [N], token ids [N]): stop tokens masked because min_tokens is not reached, and bad_words' next tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # Largest `logprobs` any row asks for; None = nobody asks.
     max_num_logprobs: int | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.sample.bad_words import bad_word_masked_ids
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 
@@ -62,8 +63,8 @@ class SamplingState:
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.has_sparse[row] = bool(params.logit_bias) or params.allowed_token_ids is not None or (
-            params.min_tokens > 0 and bool(params.all_stop_token_ids)
-        )
+            params.min_tokens > 0 and bool(_min_tokens_ids(params))
+        ) or bool(params.bad_words_token_ids)
         gen = None
         if params.seed is not None and not params.sampling_type_greedy:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -138,7 +139,7 @@ class SamplingState:
             md.output_token_counts = self._token_counts(token_ids[rows], num_prompt_tokens[rows], num_tokens[rows])
             md.prompt_token_mask = self._token_counts(token_ids[rows], np.zeros_like(num_out), num_prompt_tokens[rows]) > 0
         if self.has_sparse[rows].any():
-            self._add_masks(md, rows, num_out)
+            self._add_masks(md, rows, num_out, token_ids, num_prompt_tokens)
         num_lp = self.num_logprobs[rows]
         if (num_lp >= 0).any():
             md.max_num_logprobs = int(num_lp.max())
@@ -146,8 +147,9 @@ class SamplingState:
         self._md_cache = None if step_dependent else (rows, self._version, md)
         return md
 
-    def _add_masks(self, md: SamplingMetadata, rows: np.ndarray, num_out: np.ndarray) -> None:
-        """logit_bias, allowed_token_ids and min_tokens: sparse, built only for rows that use them."""
+    def _add_masks(self, md: SamplingMetadata, rows: np.ndarray, num_out: np.ndarray, token_ids: np.ndarray,
+                   num_prompt_tokens: np.ndarray) -> None:
+        """logit_bias, allowed_token_ids, min_tokens and bad_words: sparse, built only for rows that use them."""
         bias_rows, bias_ids, bias_vals, stop_rows, stop_ids, allowed = [], [], [], [], [], []
         for i in np.flatnonzero(self.has_sparse[rows]).tolist():
             r = int(rows[i])
@@ -161,10 +163,15 @@ class SamplingState:
                         bias_vals.append(float(b))
             if p.allowed_token_ids is not None:
                 allowed.append((i, p.allowed_token_ids))
-            if num_out[i] < self.min_tokens[r] and p.all_stop_token_ids:
-                ids = [t for t in p.all_stop_token_ids if t < self.vocab_size]
-                stop_rows += [i] * len(ids)
-                stop_ids += ids
+            ids = []
+            if num_out[i] < self.min_tokens[r]:
+                ids = [t for t in _min_tokens_ids(p) if t < self.vocab_size]
+            if p.bad_words_token_ids:
+                start = int(num_prompt_tokens[r])
+                out_ids = token_ids[r, start : start + int(num_out[i])].tolist()
+                ids += bad_word_masked_ids(p.bad_words_token_ids, out_ids)
+            stop_rows += [i] * len(ids)
+            stop_ids += ids
         dev = self.device
         if bias_rows:
             md.logit_bias = (_to(np.array(bias_rows), dev), _to(np.array(bias_ids), dev),
@@ -195,6 +202,13 @@ class SamplingState:
         ids_t = _to(ids, self.device)
         counts.scatter_add_(1, ids_t, torch.ones(ids_t.shape, device=self.device))
         return counts[:, : self.vocab_size]
+
+
+def _min_tokens_ids(params: SamplingParams) -> set[int]:
+    """Ids masked while fewer than min_tokens are out: the stop ids and EOS, even under ignore_eos (vLLM's rule)."""
+    if params.eos_token_id is None:
+        return params.all_stop_token_ids
+    return params.all_stop_token_ids | {params.eos_token_id}
 
 
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -29,6 +29,7 @@ from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_r
 from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_max_model_len_fits, kv_cache_spec
+from tokenmill.worker.prompt_logprobs import PromptLogprobsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CUDAGraphRunner | None = None
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
         self._step_id = 0  # steps that sampled (async scheduling matches read-backs to launches by it)
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_num_tokens, cc.block_size, self.vocab_size,
@@ -231,16 +233,32 @@ class ModelRunner:
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
         req_ids = [batch.req_ids[r] for r in inputs.rows.tolist()]
         index = {r: i for i, r in enumerate(req_ids)}
+        prompt_lps = self._prompt_logprobs(hidden, inputs, req_ids) if self.prompt_logprobs.active else {}
         if inputs.sampling_metadata is None:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index=index, sampled_token_ids=[[] for _ in req_ids]))
+                req_ids=req_ids, req_id_to_index=index, sampled_token_ids=[[] for _ in req_ids],
+                prompt_logprobs_dict=prompt_lps))
         sample_req_ids = [batch.req_ids[r] for r in inputs.sample_rows.tolist()]
         grammar = grammar_rows(scheduler_output, sample_req_ids, self.device)
         out = self._sample(hidden, inputs.logits_indices, inputs.sampling_metadata, len(inputs.sample_rows), grammar)
         self._step_id += 1
         batch.set_pending(self._step_id, inputs.sample_rows, out.sampled_token_ids)
         num_logprobs = batch.sampling.num_logprobs[inputs.sample_rows] if out.logprobs is not None else None
-        return AsyncModelRunnerOutput(self, self._step_id, req_ids, index, sample_req_ids, out, num_logprobs)
+        handle = AsyncModelRunnerOutput(self, self._step_id, req_ids, index, sample_req_ids, out, num_logprobs)
+        handle.prompt_logprobs_dict = prompt_lps
+        return handle
+
+    def _prompt_logprobs(self, hidden: torch.Tensor | None, inputs, req_ids: list[str]) -> dict[str, LogprobsLists]:
+        """This step's prompt positions scored (worker/prompt_logprobs.py); the prompts completed now."""
+        if hidden is None:  # not the last pipeline stage
+            return {}
+        assert self.model is not None
+        batch = self.input_batch
+        rows = inputs.rows
+        prompts = [batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in rows.tolist()]
+        return self.prompt_logprobs.collect(self.model.compute_logits, hidden, req_ids,
+                                            inputs.attn_metadata.query_start_loc_cpu,
+                                            batch.num_computed_tokens[rows], prompts)
 
     def _read_back(self, handle: AsyncModelRunnerOutput) -> ModelRunnerOutput:
         """Wait for `handle`'s sampled ids, record them in the batch, build its ModelRunnerOutput."""
@@ -254,7 +272,7 @@ class ModelRunner:
         if lp_rows is not None:
             logprobs = _logprobs_lists(len(handle.req_ids), index, handle.sample_req_ids, lp_rows, handle.num_logprobs)
         return ModelRunnerOutput(req_ids=handle.req_ids, req_id_to_index=index, sampled_token_ids=sampled,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs_dict=handle.prompt_logprobs_dict)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The forward pass; a CUDA-graph replay for padded decode sizes slots in here.
@@ -300,8 +318,11 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            self.prompt_logprobs.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
+            self.prompt_logprobs.add_request(new.req_id, new.sampling_params.prompt_logprobs,
+                                             len(new.output_token_ids))
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             row = batch.req_id_to_index[req_id]
@@ -342,8 +363,8 @@ class AsyncModelRunnerOutput:
     be called more than once; the batch is updated the first time.
     """
 
-    __slots__ = ("_done", "_host", "_output", "_runner", "has_logprobs", "num_logprobs", "req_id_to_index", "req_ids",
-                 "sample_req_ids", "step_id")
+    __slots__ = ("_done", "_host", "_output", "_runner", "has_logprobs", "num_logprobs", "prompt_logprobs_dict",
+                 "req_id_to_index", "req_ids", "sample_req_ids", "step_id")
 
     def __init__(self, runner: ModelRunner | None, step_id: int, req_ids: list[str], req_id_to_index: dict[str, int],
                  sample_req_ids: list[str], out: SamplerOutput | None, num_logprobs: np.ndarray | None) -> None:
@@ -353,6 +374,8 @@ class AsyncModelRunnerOutput:
         self.req_id_to_index = req_id_to_index
         self.sample_req_ids = sample_req_ids
         self.num_logprobs = num_logprobs
+        # req_id -> prompt logprobs of the prompts this step completed (computed at launch).
+        self.prompt_logprobs_dict: dict[str, LogprobsLists] = {}
         self._output: ModelRunnerOutput | None = None
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
+from tokenmill.entrypoints.openai.request_fields import check_undeclared_fields
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output.request import structured_outputs_from_fields
 
@@ -85,7 +86,19 @@ class StreamOptions(OpenAIModel):
 
 
 class _SamplingRequest(OpenAIModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Fields not declared here are refused, logged as ignored, or logged as
+    unknown before validation (request_fields.py).
+    """
+
+    _endpoint: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _undeclared_fields(cls, data: Any) -> Any:
+        check_undeclared_fields(data, set(cls.model_fields), cls._endpoint)
+        return data
 
     model: str | None = None
     # None (omitted or null): the rest of the context; 0 or less: 400 (see docs/server.md).
@@ -100,6 +113,7 @@ class _SamplingRequest(OpenAIModel):
     presence_penalty: float | None = _finite(0.0)
     frequency_penalty: float | None = _finite(0.0)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    # OpenAI's end-user id: abuse-monitoring metadata, nothing to do here (vLLM ignores it too).
     user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
@@ -112,6 +126,13 @@ class _SamplingRequest(OpenAIModel):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    # Logprobs of each prompt token (top-k per position); at most --max-logprobs.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=_INT32_MAX)
+    # Keep the last N prompt tokens (-1: max_model_len); above max_model_len: 400.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
+    # Logprobs' tokens shown as "token_id:<id>" (for tokens that do not decode to text on their own).
+    return_tokens_as_token_ids: bool | None = None
     priority: int | None = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
     # vLLM: mixed into the first block's hash, so only requests with the same salt share prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -136,12 +157,13 @@ class _SamplingRequest(OpenAIModel):
         return out
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
-                         defaults: dict[str, Any] | None) -> SamplingParams:
+                         defaults: dict[str, Any] | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Build `SamplingParams`; the shared part of both endpoints.
 
         Args:
             max_tokens: the endpoint's max-tokens field (None if omitted).
             logprobs: top logprobs per token (None: none).
+            prompt_logprobs: top logprobs per prompt token (None: none).
             default_max_tokens: the endpoint's default when neither the client
                 nor the generation config gives one.
             defaults: the model's generation-config sampling defaults
@@ -180,6 +202,9 @@ class _SamplingRequest(OpenAIModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=prompt_logprobs,
             # Streams need every step's state; the server computes deltas
             # itself from cumulative outputs. Non-streaming wants one output.
             output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -190,13 +215,27 @@ class _SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions body."""
+    """POST /v1/completions body.
+
+    `echo` with `logprobs` also returns the prompt tokens' logprobs (first
+    token: None), as lm-eval's loglikelihood requests need; `echo` with
+    `max_tokens: 0` returns the prompt alone (one token is generated and
+    dropped, as vLLM does).
+    """
+
+    _endpoint: ClassVar[str] = "/v1/completions"
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) without a completion."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids).
@@ -231,7 +270,11 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported.")
         if self.best_of is not None and self.best_of != (1 if self.n is None else self.n):
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
-        return self._sampling_params(self.max_tokens, self.logprobs, None, defaults)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, None, defaults, prompt_logprobs)
 
 
 class ChatMessage(OpenAIModel):
@@ -243,7 +286,14 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    """POST /v1/chat/completions body."""
+    """POST /v1/chat/completions body.
+
+    `documents` and `chat_template_kwargs` reach the chat template;
+    `add_special_tokens` (default False: the template writes BOS) adds the
+    tokenizer's special tokens around the rendered prompt.
+    """
+
+    _endpoint: ClassVar[str] = "/v1/chat/completions"
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -253,6 +303,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -296,7 +348,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, None, defaults)
+        explicit = "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and self.add_generation_prompt and explicit:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; set "
+                             "add_generation_prompt to false to continue the last message.")
+        return self._sampling_params(max_tokens, logprobs, None, defaults, self.prompt_logprobs)
 
 
 # ---------------------------------------------------------------- responses
@@ -322,12 +378,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate at one prompt position (vLLM's `prompt_logprobs` entries)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first, else token id (as a JSON key) -> PromptLogprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -384,6 +453,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

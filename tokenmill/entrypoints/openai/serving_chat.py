@@ -48,15 +48,20 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(req.model)
         messages = req.message_dicts()
         self.check_logprobs(req.top_logprobs)
+        self.check_request_fields(req)
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params)
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        if req.documents is not None:
+            kwargs["documents"] = req.documents
         prompt_ids = self.agents.prepare(
             self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt, **kwargs)
+        if req.add_special_tokens:
+            prompt_ids = self._with_special_tokens(prompt_ids)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
         return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0,
                                                  req.cache_salt)
@@ -64,10 +69,18 @@ class OpenAIServingChat(OpenAIServing):
     def final_choice(self, req: ChatCompletionRequest, sub: Submission, choice: ChoiceState,
                      comp: CompletionOutput) -> ChatChoice:
         """The message (content, reasoning, tool calls from the output parser) of one finished choice."""
-        logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0) if req.logprobs else None
+        logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0,
+                                  bool(req.return_tokens_as_token_ids)) if req.logprobs else None
         fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
         return ChatChoice(index=choice.index, message=ChatResponseMessage(**fields), logprobs=logprobs,
                           finish_reason=finish, stop_reason=comp.stop_reason)
+
+    def response_fields(self, req: ChatCompletionRequest, sub: Submission) -> dict[str, Any]:
+        """`prompt_logprobs` of the (one) prompt, when asked (vLLM's chat extension)."""
+        if req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs_body(sub.prompt_logprobs.get(0),
+                                                             bool(req.return_tokens_as_token_ids))}
 
     async def stream_choices(self, req: ChatCompletionRequest, sub: Submission) -> AsyncIterator[list[dict[str, Any]]]:
         """A role chunk per choice, then content / reasoning / tool-call deltas and finish reasons."""
@@ -89,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = None
         if req.logprobs:
             new = (comp.logprobs or [])[choice.num_logprobs:]
-            logprobs = self._logprobs(new, comp.token_ids[choice.num_logprobs:], req.top_logprobs or 0).model_dump()
+            logprobs = self._logprobs(new, comp.token_ids[choice.num_logprobs:], req.top_logprobs or 0,
+                                      bool(req.return_tokens_as_token_ids)).model_dump()
             choice.num_logprobs = len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
         deltas = streamer.update(comp.text, final=finish is not None)
@@ -107,10 +121,19 @@ class OpenAIServingChat(OpenAIServing):
             out[-1]["stop_reason"] = comp.stop_reason
         return out
 
-    def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], num_top: int) -> ChatChoiceLogprobs:
+    def _with_special_tokens(self, prompt: Any) -> Any:
+        """add_special_tokens: the tokenizer's special tokens (e.g. BOS) around the rendered prompt's ids."""
+        tok = self.engine.tokenizer
+        if tok is None or not isinstance(prompt, list):
+            return prompt
+        build = getattr(tok, "build_inputs_with_special_tokens", None)
+        return list(build(prompt)) if build is not None else prompt
+
+    def _logprobs(self, positions: list[PositionLogprobs], token_ids: list[int], num_top: int,
+                  as_token_ids: bool = False) -> ChatChoiceLogprobs:
         """Chat logprobs: per token its text, logprob, UTF-8 bytes and the top `num_top` alternatives."""
         content = []
-        for text, logprob, top in token_logprobs(self.engine.tokenizer, positions, token_ids, num_top):
+        for text, logprob, top in token_logprobs(self.engine.tokenizer, positions, token_ids, num_top, as_token_ids):
             tops = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top]
             content.append(ChatTokenLogprob(token=text, logprob=logprob if logprob is not None else -9999.0,
                                             bytes=list(text.encode()), top_logprobs=tops))

@@ -73,6 +73,8 @@ class Submission:
     prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # prompt index -> prompt tokens served from the prefix cache
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    # prompt index -> RequestOutput.prompt_logprobs (when prompt_logprobs was asked)
+    prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
 
     def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
         """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
@@ -82,6 +84,8 @@ class Submission:
         self.cached_tokens[p_idx] = out.num_cached_tokens
         if out.prompt is not None:
             self.prompt_texts[p_idx] = out.prompt
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[p_idx] = out.prompt_logprobs
         pairs = []
         for comp in out.outputs:
             choice = self.choices[p_idx * self.n + comp.index]
@@ -194,11 +198,42 @@ class OpenAIServing:
             raise ModelNotFoundError(model, self.served_model_names)
         return model
 
-    def check_logprobs(self, logprobs: int | None) -> None:
+    def check_logprobs(self, logprobs: int | None, field_name: str = "logprobs") -> None:
         """Raises ValueError when more top logprobs are asked than --max-logprobs allows."""
         if logprobs is not None and logprobs > self.max_logprobs:
-            raise ValueError(f"At most {self.max_logprobs} logprobs per token may be requested, got {logprobs} "
+            raise ValueError(f"At most {self.max_logprobs} {field_name} per token may be requested, got {logprobs} "
                              "(the server's --max-logprobs).")
+
+    def check_request_fields(self, req: Any) -> None:
+        """Server-side bounds of the fields both endpoints share.
+
+        Raises:
+            ValueError: prompt_logprobs above --max-logprobs, truncate_prompt_tokens
+                above max_model_len, or a priority without --scheduling-policy priority.
+        """
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        max_model_len = getattr(self.engine, "max_model_len", None)
+        n = req.truncate_prompt_tokens
+        if n is not None and max_model_len is not None and n > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({n}) is larger than this model's maximum context length "
+                             f"({max_model_len} tokens); give at most {max_model_len}, or -1 for max_model_len.")
+        sched = getattr(getattr(self.engine, "engine_config", None), "scheduler_config", None)
+        policy = getattr(sched, "policy", None)
+        if req.priority and policy is not None and policy != "priority":
+            raise ValueError(f"priority {req.priority} was given, but this server schedules first come, first "
+                             "served; start it with --scheduling-policy priority to use priorities.")
+
+    def prompt_logprobs_body(self, positions: list[PositionLogprobs | None] | None,
+                             as_token_ids: bool = False) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` JSON: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
+        if positions is None:
+            return None
+        tok = self.engine.tokenizer
+        return [None if pos is None else {
+            str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                       "decoded_token": token_text(tok, tid, lp.decoded_token, as_token_ids)}
+            for tid, lp in pos.items()} for pos in positions]
 
     def submit(self, request_id: str, prompts: list[Any], params: SamplingParams, priority: int = 0,
                cache_salt: str | None = None) -> Submission:
@@ -251,7 +286,12 @@ class OpenAIServing:
         for c in sub.ordered_choices():
             assert c.last is not None, "a finished request always has an output"
             choices.append(self.final_choice(req, sub, c, c.last))
-        return self.response_type(id=response_id, model=model, choices=choices, usage=sub.usage())
+        return self.response_type(id=response_id, model=model, choices=choices, usage=sub.usage(),
+                                  **self.response_fields(req, sub))
+
+    def response_fields(self, req: Any, sub: Submission) -> dict[str, Any]:
+        """Extra top-level fields of a full response (a handler's hook; none by default)."""
+        return {}
 
     async def stream_response(self, req: Any, response_id: str, model: str, sub: Submission) -> AsyncIterator[str]:
         """SSE chunks: those of `stream_choices`, then the usage chunk when asked, then [DONE].
@@ -325,25 +365,35 @@ def finish_reason_text(reason: Any) -> str | None:
     return None if reason is None else str(reason)
 
 
-def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs], token_ids: list[int],
-                   num_top: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """Per generated token: (its text, its logprob or None when not reported, the top `num_top` (text, logprob)).
+def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs | None], token_ids: list[int], num_top: int,
+                   as_token_ids: bool = False) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+    """Per token: (its text, its logprob or None when not reported, the top `num_top` (text, logprob)).
 
-    `positions[i]` is the logprob dict of token `token_ids[i]`; the top
-    alternatives are sorted by logprob, highest first.
+    `positions[i]` is the logprob dict of token `token_ids[i]`, or None where
+    no logprobs exist (an echoed first prompt token: logprob and top are then
+    None); the top alternatives are sorted by logprob, highest first.
+    as_token_ids: `return_tokens_as_token_ids` ("token_id:<id>" instead of text).
     """
     out = []
     for pos, tid in zip(positions, token_ids):
-        sampled = pos.get(tid)
-        text = token_text(tokenizer, tid, sampled.decoded_token if sampled else None)
+        sampled = pos.get(tid) if pos is not None else None
+        text = token_text(tokenizer, tid, sampled.decoded_token if sampled else None, as_token_ids)
+        if pos is None:
+            out.append((text, None, None))
+            continue
         top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
         out.append((text, sampled.logprob if sampled else None,
-                    [(token_text(tokenizer, t, lp.decoded_token), lp.logprob) for t, lp in top]))
+                    [(token_text(tokenizer, t, lp.decoded_token, as_token_ids), lp.logprob) for t, lp in top]))
     return out
 
 
-def token_text(tokenizer: Any, token_id: int, decoded: str | None) -> str:
-    """The text shown for one token in logprobs (the engine's, else decoded here)."""
+def token_text(tokenizer: Any, token_id: int, decoded: str | None, as_token_id: bool = False) -> str:
+    """The text shown for one token in logprobs (the engine's, else decoded here).
+
+    as_token_id: `return_tokens_as_token_ids`: "token_id:<id>" instead of text.
+    """
+    if as_token_id:
+        return f"token_id:{token_id}"
     if decoded is not None:
         return decoded
     if tokenizer is None:
