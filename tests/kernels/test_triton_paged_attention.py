@@ -161,7 +161,7 @@ def test_rejects_bad_head_ratio():
         _run(batch, scale=1.0)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_long_decodes_split_kv(dtype):
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
@@ -175,7 +175,7 @@ def test_cuda_long_decodes_split_kv(dtype):
     _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (256, 64)])
 @pytest.mark.parametrize("window,cap", [(None, None), (256, None), (None, 30.0)])
