@@ -97,6 +97,7 @@ def test_edge_lengths_and_tile_shapes():
         _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
 
 
+@pytest.mark.slow  # the Triton interpreter over many splits: the slowest kernel test on CPU
 @pytest.mark.parametrize(
     "num_splits,extra", [(2, {}), (3, {"sliding_window": 50, "logits_soft_cap": 3.0}), (8, {})]
 )
