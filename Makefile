@@ -3,7 +3,7 @@
 #             package that is missing fails the run (TOKENMILL_TEST_REQUIRE_EXTRAS=1,
 #             tests/optional_deps.py) instead of skipping its tests.
 # make test-fast: the developer's inner loop: everything but the tests marked slow, e2e
-#             or gpu (pyproject.toml's markers), about a minute on 2 cores.
+#             or gpu (pyproject.toml's markers): no server process, no real-model parity.
 #
 # Stamp files in .venv record what is installed, so repeated runs skip pip;
 # editing pyproject.toml re-runs the install.
