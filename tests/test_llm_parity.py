@@ -25,6 +25,8 @@ torch = pytest.importorskip("torch")
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 against transformers: minutes on 2 cores
+
 NUM_TOKENS = 32
 TIE_TOL = 1e-3
 BLOCK_SIZE = 16

@@ -150,7 +150,7 @@ def test_long_context_is_tiled():
     assert math.isfinite(float(out.abs().max()))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_matches_reference(dtype):
     md, cache, key, value, fk, fv = _make_batch([0, 21, 40, 7, 300], [9, 13, 1, 1, 1], 16, 2, 64, 64, seed=9, pad_tokens=3)

@@ -9,8 +9,11 @@ a token may differ only where the reference's top-2 logprobs are within
 from __future__ import annotations
 
 import pytest
+from optional_deps import require
 
 from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # real SmolLM2 at 2 ranks: 10-45 s a test on 2 cores
 
 PROMPTS = [
     "What is the capital of France?",
@@ -63,7 +66,7 @@ def test_pp2_matches_on_smollm2(smollm2_reference):
 
 
 def test_ray_tp2_matches_on_smollm2(smollm2_reference):
-    ray = pytest.importorskip("ray")
+    ray = require("ray")
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -78,6 +78,7 @@ def test_nccl_multicast_off_unless_user_set_it():
     assert env["NCCL_NVLS_ENABLE"] == "1" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
 
+@pytest.mark.slow  # spawns the worker processes: ~10 s
 def test_worker_start_up_error_reaches_the_caller(tmp_path):
     """A ValueError inside a worker process (here: a checkpoint missing tensors) is raised by LLM(...)
     with its message, and no worker process is left behind."""

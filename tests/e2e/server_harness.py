@@ -3,10 +3,14 @@
 `ServerProcess(tmp, extra_args, env)` starts it; `wait_healthy()` blocks
 until /health answers 200; `http(...)` is a tiny http.client client that never
 raises on HTTP errors; `stop()` sends SIGINT and kills the group if needed.
+`running_server(...)` is the three together, for fixtures. The session's
+shared servers are in conftest.py; a module that needs other flags starts
+its own through `running_server`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +20,7 @@ import sys
 import time
 import urllib.parse
 from http import client as http_client
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,8 @@ API_KEY = "tm-test-key-0123456789"
 PROD_MAX_MODEL_LEN = 256
 PROD_MAX_NUM_SEQS = 64
 PROD_MAX_BODY_BYTES = 2**20
+# The session's agent server (conftest.py `agent_server`): no API key, tool calling on.
+AGENT_MAX_MODEL_LEN = 1024
 
 
 def free_port() -> int:
@@ -99,3 +106,18 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+@contextlib.contextmanager
+def running_server(tmp: Path, extra_args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A healthy ServerProcess for the `with` block, stopped afterwards (also when start-up fails).
+
+    Raises RuntimeError with the server log's tail if it exits or is not healthy
+    within START_TIMEOUT_S.
+    """
+    srv = ServerProcess(tmp, extra_args, env)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()

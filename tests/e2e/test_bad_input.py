@@ -12,6 +12,8 @@ import json
 import pytest
 from server_harness import API_KEY, PROD_MAX_BODY_BYTES, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, http
 
+pytestmark = pytest.mark.e2e
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MSGS = [{"role": "user", "content": "Hi"}]
 C, CHAT, TOK, DETOK, OLLAMA = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/api/chat"

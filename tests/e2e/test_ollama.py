@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from optional_deps import require
 from server_harness import API_KEY, http
 
-ollama = pytest.importorskip("ollama")
+ollama = require("ollama")
+
+pytestmark = pytest.mark.e2e
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

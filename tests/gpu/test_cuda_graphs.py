@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 TIE_TOL = 1e-4  # float32 logprob gap under which two engines may pick different tokens
 

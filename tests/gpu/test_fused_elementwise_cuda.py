@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 DEVICE = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

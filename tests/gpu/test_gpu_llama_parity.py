@@ -34,7 +34,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention.forward_context import get_forward_context
 from tokenmill.config import EngineArgs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16

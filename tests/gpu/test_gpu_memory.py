@@ -22,7 +22,7 @@ from transformers import LlamaConfig
 
 from tokenmill import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 GiB, MiB = 2**30, 2**20
 BLOCK_SIZE = 16

@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a pytest subprocess that imports torch and transformers
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 

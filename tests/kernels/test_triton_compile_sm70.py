@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from optional_deps import require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
-    pytest.importorskip("triton")
+    require("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True, timeout=300)

@@ -76,7 +76,7 @@ def test_triton_matches_reference(num_tokens, hidden, inter, num_experts, top_k,
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 300, 2048])
 def test_triton_gpu_half_precision(dtype, num_tokens):

@@ -97,6 +97,7 @@ def test_edge_lengths_and_tile_shapes():
         _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
 
 
+@pytest.mark.slow  # the Triton interpreter over many splits: the slowest kernel test on CPU
 @pytest.mark.parametrize(
     "num_splits,extra", [(2, {}), (3, {"sliding_window": 50, "logits_soft_cap": 3.0}), (8, {})]
 )
@@ -161,7 +162,7 @@ def test_rejects_bad_head_ratio():
         _run(batch, scale=1.0)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_long_decodes_split_kv(dtype):
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
@@ -175,7 +176,7 @@ def test_cuda_long_decodes_split_kv(dtype):
     _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (256, 64)])
 @pytest.mark.parametrize("window,cap", [(None, None), (256, None), (None, 30.0)])

@@ -57,7 +57,7 @@ def test_cpu_dummy_weights_are_deterministic_and_norms_are_one():
     assert w13.abs().sum() > 0 and abs(w13.std().item() - 0.02) < 0.005
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_dummy_weights_are_deterministic_on_the_gpu():
     a, b = _build("cuda"), _build("cuda")
     dummy.initialize_dummy_weights(a, seed=3)

@@ -42,6 +42,7 @@ def test_gguf_names():
         gguf_to_hf_name("blk.0.ssm_conv1d.weight", "mamba")
 
 
+@pytest.mark.slow  # builds transformers' SmolLM2 from the GGUF (~30 s)
 def test_every_smollm2_tensor_matches_transformers(smollm2_gguf, hf_smollm2):
     hf_model, _ = hf_smollm2
     config = hf_model.config

@@ -7,8 +7,9 @@ import threading
 
 import numpy as np
 import pytest
+from optional_deps import require
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf")
 
 # Every value type, the three tokenizer arrays a vocabulary is made of (non-ASCII tokens included) and merges.
 _TOKENS = ["<unk>", "<s>", "</s>", "a", "bc", "\u00e9t\u00e9", "\u65e5\u672c", "\U0001f916", "\u2581the"] * 7

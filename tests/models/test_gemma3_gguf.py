@@ -26,6 +26,8 @@ from family_utils import compare_greedy, hf_teacher_forced
 
 from tokenmill import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the real Gemma 3 270M against transformers: minutes on 2 cores
+
 PROMPTS = [
     "The capital city of France is called",
     "def fibonacci(n):",

@@ -8,6 +8,8 @@ import torch
 from tokenmill.config import EngineArgs
 from tokenmill.model_loader import get_model
 
+pytestmark = pytest.mark.slow  # builds transformers' SmolLM2 from the GGUF (~30 s)
+
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):

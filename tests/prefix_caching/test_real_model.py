@@ -24,6 +24,8 @@ from pc_helpers import use_scheduler
 
 from tokenmill import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the real SmolLM2, cold and warm runs: a minute or more on 2 cores
+
 BLOCK = 16
 NUM_TOKENS = 16
 SYSTEM = ("You are a careful assistant for a public library. Answer in one short sentence, cite no sources, "

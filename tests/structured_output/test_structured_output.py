@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from optional_deps import require
 
-xgr = pytest.importorskip("xgrammar")
-jsonschema = pytest.importorskip("jsonschema")
+xgr = require("xgrammar")
+jsonschema = require("jsonschema")
 
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput

@@ -104,7 +104,7 @@ def test_kv_sizing_and_too_small_cache():
         r.initialize_kv_cache(10)  # 40 tokens < max_model_len 64
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
 def test_cuda_runner_matches_cpu_and_profiles_memory(backend):
     import torch
