@@ -120,7 +120,3 @@ def require_cpu_kernel():
         return lib
 
     return require
-
-
-def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "e2e: starts a real server subprocess (tests/e2e's harness)")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
 from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # builds the real SmolLM2 twice
 
 PROMPT = "The capital of France is"
 LONG_PROMPT = ("Gravity is the force by which a planet or other body draws objects toward its center. "
