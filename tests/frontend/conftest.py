@@ -1,4 +1,4 @@
-"""Fixtures for engine tests: the bundled SmolLM2 tokenizer (byte-level BPE) and a tiny model config.
+"""Fixtures for front-end tests: the bundled SmolLM2 tokenizer (byte-level BPE) and a tiny model config.
 
 `smollm2_gguf` comes from tests/conftest.py.
 """
