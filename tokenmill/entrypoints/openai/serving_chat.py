@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenmill.entrypoints.openai.harmony.chat import HarmonyChat, uses_harmony
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -41,6 +42,9 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
         self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+        # gpt-oss (or --tool-call-parser openai / --reasoning-parser openai_gptoss): harmony instead of the template.
+        hf_config = getattr(getattr(self.engine, "model_config", None), "hf_config", None)
+        self.harmony = HarmonyChat() if uses_harmony(hf_config, tool_call_parser, reasoning_parser) else None
 
     def start(self, req: ChatCompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate, render the template, queue; returns (response id, model name, submission).
@@ -57,9 +61,14 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        prompt_ids = self.agents.prepare(
-            self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
+        if req.reasoning_effort:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if self.harmony is not None:
+            prompt_ids = self.harmony.prepare(req, messages, params)
+        else:
+            prompt_ids = self.agents.prepare(
+                self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt, **kwargs)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
         return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0,
                                                  req.cache_salt)
@@ -78,7 +87,8 @@ class OpenAIServingChat(OpenAIServing):
             assert comp is not None, "a finished request always has an output"
             logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0) \
                 if req.logprobs else None
-            fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
+            fields, finish = req._output_parser.message(parser_input(req._output_parser, comp),
+                                                        finish_reason_text(comp.finish_reason))
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(**fields),
                                       logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason))
         p, c_tokens = sub.num_prompt_tokens(), sub.num_completion_tokens()
@@ -130,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = self._logprobs(new, comp.token_ids[choice.num_logprobs:], req.top_logprobs or 0).model_dump()
             choice.num_logprobs = len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
-        deltas = streamer.update(comp.text, final=finish is not None)
+        deltas = streamer.update(parser_input(req._output_parser, comp), final=finish is not None)
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
@@ -160,3 +170,8 @@ class OpenAIServingChat(OpenAIServing):
             content.append(ChatTokenLogprob(token=text, logprob=sampled.logprob if sampled else -9999.0,
                                             bytes=list(text.encode()), top_logprobs=tops))
         return ChatChoiceLogprobs(content=content)
+
+
+def parser_input(parser: Any, comp: CompletionOutput) -> Any:
+    """What an output parser reads: the token ids for harmony (its markers are special tokens), else the text."""
+    return comp.token_ids if getattr(parser, "reads_token_ids", False) else comp.text
