@@ -113,7 +113,8 @@ def test_chat_tool_call_streamed(client) -> None:
 def test_chat_tool_result_then_final(client) -> None:
     messages = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 20, "sky": "sunny"}'}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=64)
     assert r.choices[0].message.content == "Paris: 20 C, sunny."

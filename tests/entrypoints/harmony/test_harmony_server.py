@@ -111,7 +111,8 @@ def test_chat_tool_result_turn_is_rendered() -> None:
     engine = ScriptedHarmonyEngine([AFTER_TOOL_RESULT])
     messages = WEATHER_Q + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_9", "content": "20 C"}]
     status, raw = post(engine, "/v1/chat/completions", {"messages": messages, "tools": TOOLS})
     assert status == 200, raw

@@ -116,8 +116,8 @@ def items_to_message(items: list[dict[str, Any]]) -> dict[str, Any] | None:
         elif it["type"] == "message":
             msg["content"] += "".join(c["text"] for c in it["content"])
         elif it["type"] == "function_call":
-            msg.setdefault("tool_calls", []).append(
-                {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}})
+            fn = {"name": it["name"], "arguments": it["arguments"]}
+            msg.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": fn})
     return msg if len(msg) > 2 or msg["content"] else None
 
 
