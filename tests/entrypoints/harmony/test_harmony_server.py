@@ -121,10 +121,23 @@ def test_chat_tool_result_turn_is_rendered() -> None:
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>20 C<|end|><|start|>assistant")
 
 
-def test_chat_forced_tool_choice_is_refused() -> None:
-    status, raw = post(ScriptedHarmonyEngine([TOOL_CALL]), "/v1/chat/completions",
-                       {"messages": WEATHER_Q, "tools": TOOLS, "tool_choice": "required"})
-    assert status == 400 and "tool_choice" in json.loads(raw)["error"]["message"]
+@pytest.mark.parametrize("extra, needle", [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+])
+def test_chat_options_harmony_cannot_honour_are_refused(extra: dict[str, Any], needle: str) -> None:
+    status, raw = post(ScriptedHarmonyEngine([TOOL_CALL]), "/v1/chat/completions", {"messages": WEATHER_Q, **extra})
+    assert status == 400 and needle in json.loads(raw)["error"]["message"]
+
+
+def test_chat_tool_choice_none_hides_the_tools() -> None:
+    engine = ScriptedHarmonyEngine([REASONING_THEN_FINAL])
+    status, raw = post(engine, "/v1/chat/completions", {"messages": WEATHER_Q, "tools": TOOLS, "tool_choice": "none"})
+    assert status == 200, raw
+    assert "get_weather" not in load_encoding().decode(engine.prompts[0])
 
 
 def test_responses_tool_call_then_function_call_output() -> None:
@@ -231,3 +244,17 @@ def test_responses_store_lru_and_get() -> None:
     not_stored = json.loads(asyncio.run(asgi_call(app, "POST", "/v1/responses",
                                                   {"input": "hi", "max_output_tokens": 2, "store": False}))[1])
     assert asyncio.run(asgi_call(app, "GET", f"/v1/responses/{not_stored['id']}"))[0] == 404
+
+
+def test_structured_output_applies_to_the_final_answer_only() -> None:
+    from tokenmill.structured_output.spec import EXTRA_ARGS_KEY, REASONING_END_KEY
+
+    engine = ScriptedHarmonyEngine([REASONING_THEN_FINAL])
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    status, raw = post(engine, "/v1/chat/completions", {
+        "messages": WEATHER_Q, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert status == 200, raw
+    extra = engine.params[0].extra_args
+    assert EXTRA_ARGS_KEY in extra
+    # The grammar starts after <|channel|>final<|message|>.
+    assert extra[REASONING_END_KEY] == [200005, 17196, 200008]

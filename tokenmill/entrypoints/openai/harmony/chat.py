@@ -73,8 +73,15 @@ class HarmonyChat:
         """Render the prompt ids, adjust `params` in place, set `req._output_parser`.
 
         Raises:
-            ValueError: bad messages, reasoning_effort or tool_choice.
+            ValueError: bad messages, reasoning_effort or tool_choice; a chat_template,
+                continue_final_message or add_generation_prompt=false (harmony has no use for them).
         """
+        if getattr(req, "chat_template", None):
+            raise ValueError("This model speaks the harmony format (gpt-oss), rendered by openai-harmony: it takes "
+                             "no chat_template; send the request without it.")
+        if getattr(req, "continue_final_message", False) or getattr(req, "add_generation_prompt", True) is False:
+            raise ValueError("continue_final_message / add_generation_prompt=false are not supported for harmony "
+                             "models (gpt-oss): the prompt always ends by opening the assistant's turn.")
         tools = _tools_for(getattr(req, "tools", None), getattr(req, "tool_choice", None))
         effort = getattr(req, "reasoning_effort", None) or (getattr(req, "chat_template_kwargs", None) or {}).get(
             "reasoning_effort")
