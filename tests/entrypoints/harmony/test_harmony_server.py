@@ -251,8 +251,8 @@ def test_structured_output_applies_to_the_final_answer_only() -> None:
 
     engine = ScriptedHarmonyEngine([REASONING_THEN_FINAL])
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
-    status, raw = post(engine, "/v1/chat/completions", {
-        "messages": WEATHER_Q, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    status, raw = post(engine, "/v1/chat/completions", {"messages": WEATHER_Q, "response_format": fmt})
     assert status == 200, raw
     extra = engine.params[0].extra_args
     assert EXTRA_ARGS_KEY in extra
