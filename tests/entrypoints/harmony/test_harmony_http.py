@@ -213,6 +213,12 @@ def test_responses_stream_events_match_the_whole_response() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "call_id"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "schema"),
+    ({"input": "x", "text": {"format": "json"}}, "text.format"),
+    ({"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "call_id"),
+    ({"input": "x", "seed": -2**70}, "seed"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "description": 3}]}, "description"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": ["f"]}, "tools": [{"type": "function", "name": "f"}]},
+     "tool_choice"),
 ])
 def test_responses_bad_input_is_400(body: dict[str, Any], needle: str) -> None:
     status, raw = post(FakeEngine(), "/v1/responses", body)

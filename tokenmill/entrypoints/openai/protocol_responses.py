@@ -79,6 +79,10 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _nonempty_str(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 def input_to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages for a Responses `input`.
 
@@ -109,8 +113,8 @@ def input_to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
         elif kind == "function_call":
-            if not item.get("call_id") or not item.get("name"):
-                raise ValueError(f"{where}: a function_call item needs `call_id` and `name`.")
+            if not _nonempty_str(item.get("call_id")) or not _nonempty_str(item.get("name")):
+                raise ValueError(f"{where}: a function_call item needs `call_id` and `name` strings.")
             args = item.get("arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"],
@@ -124,8 +128,8 @@ def input_to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]
                     msg["reasoning_content"], reasoning = reasoning, None
                 out.append(msg)
         elif kind == "function_call_output":
-            if not item.get("call_id"):
-                raise ValueError(f"{where}: a function_call_output item needs the `call_id` of its call.")
+            if not _nonempty_str(item.get("call_id")):
+                raise ValueError(f"{where}: a function_call_output item needs the `call_id` (a string) of its call.")
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
@@ -152,8 +156,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
             raise ValueError(f"tools[{i}]: only function tools are supported, got type {kind!r}.")
-        if not isinstance(t.get("name"), str) or not t["name"]:
+        if not _nonempty_str(t.get("name")):
             raise ValueError(f"tools[{i}]: a function tool needs a `name`.")
+        if t.get("description") is not None and not isinstance(t["description"], str):
+            raise ValueError(f"tools[{i}].description must be a string.")
         fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -171,7 +177,8 @@ def chat_tool_choice(tool_choice: str | dict[str, Any] | None) -> str | dict[str
     """
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return tool_choice
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and tool_choice.get("name"):
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and _nonempty_str(tool_choice.get("name")):
         return {"type": "function", "function": {"name": tool_choice["name"]}}
     raise ValueError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"name\": "
                      f"...}}, got {tool_choice!r}.")
@@ -184,6 +191,9 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         ValueError: an unknown format type, or json_schema without a schema.
     """
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ValueError("text.format must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
+                         "\"schema\": {...}}.")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -207,7 +217,7 @@ def reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     effort = (reasoning or {}).get("effort")
     if effort is None:
         return None
-    if effort not in ("low", "medium", "high"):
+    if not isinstance(effort, str) or effort not in ("low", "medium", "high"):
         raise ValueError(f"reasoning.effort must be low, medium or high, got {effort!r}.")
     return effort
 

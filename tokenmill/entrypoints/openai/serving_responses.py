@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, to_chat_body
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, parser_input
@@ -149,7 +151,11 @@ class OpenAIServingResponses:
                                  f"the last {self.store.max_stored} responses created with store=true, in memory.")
             history = prev.messages
         response_id = req.request_id or _new_id("resp")
-        chat_req = ChatCompletionRequest.model_validate(to_chat_body(req, history, response_id))
+        try:
+            chat_req = ChatCompletionRequest.model_validate(to_chat_body(req, history, response_id))
+        except ValidationError as exc:  # a field out of the chat request's range (seed, top_k, ...): the client's
+            errs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"Invalid request: {errs}.") from None
         _, model, sub = self.chat.start(chat_req, raw_request)
         skeleton = {
             "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
