@@ -5,7 +5,7 @@ Runs against the session's real `prod_server` (conftest.py: --max-model-len
 handlers, validation and engine under test are the production ones.
 Examples are derandomized with a fixed budget per operation. To fit the
 suite's CPU budget, generation length alone is bounded: `max_tokens` /
-`max_completion_tokens` / Ollama's `num_predict` above 4 or absent become 4
+`max_completion_tokens` / `max_output_tokens` / Ollama's `num_predict` above 4 or absent become 4
 (an absent max_tokens is tested in test_production.py); every other field is
 fuzzed as generated, wrong types included.
 """
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_EXAMPLES = 25
 MAX_NEW_TOKENS = 4
-_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _bound_generation_length(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    if case.path in ("/v1/completions", "/v1/chat/completions"):
+    if case.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         for name in _LENGTH_FIELDS:
             value = body.get(name)
             if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS):
@@ -57,7 +57,7 @@ def _bound_generation_length(case) -> None:
 def test_the_schema_lists_every_public_route(operations):
     expected = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
                 "POST /detokenize", "GET /health", "GET /version", "POST /api/chat", "POST /api/generate",
-                "GET /api/tags", "POST /api/show"}
+                "GET /api/tags", "POST /api/show", "POST /v1/responses", "GET /v1/responses/{response_id}"}
     assert expected <= set(operations)
 
 

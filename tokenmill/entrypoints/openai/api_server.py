@@ -7,6 +7,7 @@ Routes (docs/server.md has the details):
     GET  /v1/models            the served model name(s)
     POST /v1/completions       OpenAI completions (stream or not)
     POST /v1/chat/completions  OpenAI chat completions (stream or not)
+    POST /v1/responses         OpenAI Responses (stream or not); GET /v1/responses/{id} a stored one
     POST /tokenize, /detokenize
     GET  /stats                the latest SchedulerStats (JSON), for tests and debugging
     /api/*                     Ollama's API (entrypoints/ollama/)
@@ -36,6 +37,7 @@ from tokenmill.entrypoints.openai.errors import error_response, install_error_ha
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.request_guard import (
     DEFAULT_MAX_BODY_BYTES,
     BodyGuardMiddleware,
@@ -44,6 +46,7 @@ from tokenmill.entrypoints.openai.request_guard import (
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -140,6 +143,7 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs, max_n)
     chat = OpenAIServingChat(engine, served_model_names, max_logprobs, max_n, chat_template=chat_template,
                              **agent_kwargs)
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, served_model_names, max_logprobs, max_n)
     metrics = ServerMetrics(served_model_names[0], vllm_names=metrics_vllm_names)
     if hasattr(engine, "stats_observer"):
@@ -188,6 +192,26 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
                       methods=["POST"])
     app.add_api_route("/v1/chat/completions", _generation_route(chat, ChatCompletionRequest, "chat_completions"),
                       methods=["POST"])
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request) -> Any:
+        skeleton, chat_req, sub, conversation = responses.start(req, raw_request)
+        if req.stream:
+            return StreamingResponse(responses.stream_response(req, skeleton, chat_req, sub, conversation),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        try:
+            return await _unless_disconnected(
+                raw_request, responses.full_response(req, skeleton, chat_req, sub, conversation))
+        finally:
+            sub.stream.close()
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Any:
+        stored = responses.store.get(response_id)
+        if stored is None:
+            return error_response(f"No stored response has id {response_id!r} (responses are kept in memory, the "
+                                  f"last {responses.store.max_stored} created with store=true).", 404)
+        return stored.response
 
     app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected))
     return app

@@ -308,6 +308,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # low | medium | high (harmony models; others: a template variable)
     # Set by the chat handler: how this request's output is parsed (tool_parsers.chat_output).
     _output_parser: Any = PrivateAttr(default=None)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenmill.entrypoints.openai.harmony.chat import HarmonyChat, uses_harmony
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -38,6 +39,9 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template
         # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
         self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+        # gpt-oss (or --tool-call-parser openai / --reasoning-parser openai_gptoss): harmony instead of the template.
+        hf_config = getattr(getattr(self.engine, "model_config", None), "hf_config", None)
+        self.harmony = HarmonyChat() if uses_harmony(hf_config, tool_call_parser, reasoning_parser) else None
 
     def start(self, req: ChatCompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate, render the template, queue; returns (response id, model name, submission).
@@ -57,9 +61,14 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["continue_final_message"] = True
         if req.documents is not None:
             kwargs["documents"] = req.documents
-        prompt_ids = self.agents.prepare(
-            self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
+        if req.reasoning_effort:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if self.harmony is not None:
+            prompt_ids = self.harmony.prepare(req, messages, params)
+        else:
+            prompt_ids = self.agents.prepare(
+                self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt, **kwargs)
         if req.add_special_tokens:
             prompt_ids = self._with_special_tokens(prompt_ids)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
@@ -71,7 +80,8 @@ class OpenAIServingChat(OpenAIServing):
         """The message (content, reasoning, tool calls from the output parser) of one finished choice."""
         logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0,
                                   bool(req.return_tokens_as_token_ids)) if req.logprobs else None
-        fields, finish = req._output_parser.message(comp.text, finish_reason_text(comp.finish_reason))
+        fields, finish = req._output_parser.message(parser_input(req._output_parser, comp),
+                                                    finish_reason_text(comp.finish_reason))
         return ChatChoice(index=choice.index, message=ChatResponseMessage(**fields), logprobs=logprobs,
                           finish_reason=finish, stop_reason=comp.stop_reason)
 
@@ -106,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
                                       bool(req.return_tokens_as_token_ids)).model_dump()
             choice.num_logprobs = len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
-        deltas = streamer.update(comp.text, final=finish is not None)
+        deltas = streamer.update(parser_input(req._output_parser, comp), final=finish is not None)
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
@@ -138,3 +148,8 @@ class OpenAIServingChat(OpenAIServing):
             content.append(ChatTokenLogprob(token=text, logprob=logprob if logprob is not None else -9999.0,
                                             bytes=list(text.encode()), top_logprobs=tops))
         return ChatChoiceLogprobs(content=content)
+
+
+def parser_input(parser: Any, comp: CompletionOutput) -> Any:
+    """What an output parser reads: the token ids for harmony (its markers are special tokens), else the text."""
+    return comp.token_ids if getattr(parser, "reads_token_ids", False) else comp.text

@@ -9,6 +9,7 @@ from tokenmill.entrypoints.openai.reasoning.parsers import (
     reasoning_parser_names,
 )
 from tokenmill.entrypoints.openai.reasoning.streaming import ReasoningStreamer
+from tokenmill.entrypoints.openai.harmony import reasoning_parser as _harmony  # noqa: F401 - "openai_gptoss"
 
 __all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser", "ReasoningSplit",
            "ReasoningStreamer", "get_reasoning_parser", "reasoning_parser_names"]
