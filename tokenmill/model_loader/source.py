@@ -7,7 +7,7 @@ Accepted forms of `model`:
     /path/to/model.gguf        a single GGUF file
     org/name                   a Hugging Face Hub repo, downloaded with huggingface_hub
     org/name:Q4_K_M            the GGUF file(s) of that quantization in a Hub repo
-    modelscope:org/name        a ModelScope repo (or any repo id with TOKENMILL_USE_MODELSCOPE=1)
+    modelscope:org/name        a ModelScope repo (or any repo id with TOKENMILL_USE_MODELSCOPE=1 or VLLM_USE_MODELSCOPE=1)
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def resolve_model_source(model: str | None, revision: str | None = None, downloa
     if not _REPO_ID_RE.match(model):
         raise ValueError(f"{model!r} is neither an existing folder or .gguf file nor a repo id like 'org/name'.")
     repo_id, _, quant = model.partition(":")
-    if os.environ.get("TOKENMILL_USE_MODELSCOPE", "0").lower() in ("1", "true"):
+    use_modelscope = os.environ.get("TOKENMILL_USE_MODELSCOPE") or os.environ.get("VLLM_USE_MODELSCOPE") or "0"
+    if use_modelscope.lower() in ("1", "true"):
         folder = _download_modelscope(repo_id, revision, download_dir)
     else:
         folder = _download_hf(repo_id, revision, download_dir, quant or None)
