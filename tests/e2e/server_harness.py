@@ -61,15 +61,22 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         conn.close()
 
 
-class ServerProcess:
-    """`python -m tokenmill.entrypoints.cli serve` with `extra_args`, output in tmp/server.log."""
+SERVE_ENTRY = ("tokenmill.entrypoints.cli", "serve")
 
-    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None) -> None:
+
+class ServerProcess:
+    """`python -m tokenmill.entrypoints.cli serve` with `extra_args`, output in tmp/server.log.
+
+    `entry` is the module (and leading arguments) run with `python -m`, e.g.
+    ("tokenmill.entrypoints.api_server",) for vLLM's simple /generate server.
+    """
+
+    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None,
+                 entry: tuple[str, ...] = SERVE_ENTRY) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(self.port),
-               "--disable-uvicorn-access-log", *extra_args]
+        cmd = [sys.executable, "-m", *entry, "--port", str(self.port), "--disable-uvicorn-access-log", *extra_args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
