@@ -50,7 +50,14 @@ def missing_extra_message(exc: ModuleNotFoundError, command: str) -> str | None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `serve` (the OpenAI-compatible server) with every engine flag."""
+    """Add `serve` (the OpenAI-compatible server) with every engine flag.
+
+    Raises:
+        ModuleNotFoundError: the serve extra is missing (before `serve` is added).
+    """
+    import tokenmill.entrypoints.openai.api_server  # noqa: F401 - fastapi etc.: fail before the parser exists
+    import tokenmill.entrypoints.openai.tool_parsers.agents  # noqa: F401
+
     parser = subparsers.add_parser(
         "serve",
         help="Start the OpenAI-compatible HTTP server.",
@@ -122,8 +129,10 @@ def make_parser() -> argparse.ArgumentParser:
         message = missing_extra_message(exc, "serve")
         if message is None:
             raise
-        stub = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.", add_help=False)
-        stub.add_argument("rest", nargs=argparse.REMAINDER)
+        # No option prefix: every argument after `serve` lands in `rest`, so any command line gets the message.
+        stub = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.", add_help=False,
+                                     prefix_chars="\0")
+        stub.add_argument("rest", nargs="*")
         stub.set_defaults(func=lambda args: _fail(message))
     for command, (module_name, help_text) in SUBCOMMAND_MODULES.items():
         module = _import_subcommand(module_name)
