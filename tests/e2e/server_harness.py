@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 420
+# A V100 guide's vLLM command line (run here on CPU: --dtype half is float16 on the CPU).
+V100_GUIDE_ARGS = ["--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9", "--max-model-len", "2048",
+                   "--enforce-eager", "--disable-custom-all-reduce", "--dtype", "half", "--swap-space", "4",
+                   "--block-size", "16"]
 API_KEY = "tm-test-key-0123456789"
 # The session's production server (conftest.py `prod_server`).
 PROD_MAX_MODEL_LEN = 256
