@@ -73,6 +73,9 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
     _verify_parallel(args, hf_config, platform)
     served_names = _served_model_names(args)
+    if args.tokenizer_mode == "slow":
+        logger.warning("--tokenizer-mode slow is ignored: the incremental detokenizer needs the fast Hugging Face "
+                       "tokenizer, which gives the same tokens.")
     model_config = ModelConfig(
         model=args.model if args.model is not None else BUNDLED_MODEL_NAME,
         model_path=source.weights_path,
@@ -139,9 +142,6 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
     if args.tokenizer_mode not in ("auto", "hf", "slow"):
         raise ValueError(f"--tokenizer-mode {args.tokenizer_mode} is not supported; use auto (the fast Hugging Face "
                          "tokenizer) or slow.")
-    if args.tokenizer_mode == "slow":
-        logger.warning("--tokenizer-mode slow is ignored: the incremental detokenizer needs the fast Hugging Face "
-                       "tokenizer, which gives the same tokens.")
     if args.max_seq_len_to_capture < 1:
         raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {args.max_seq_len_to_capture}.")
     if args.scheduling_policy not in ("fcfs", "priority"):

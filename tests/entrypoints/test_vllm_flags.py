@@ -216,3 +216,22 @@ def test_served_model_names_all_accepted_first_reported():
         assert status == 200 and json.loads(raw)["model"] == "a"
     status, raw = asyncio.run(asgi_call(app, "POST", "/v1/completions", {"model": "c", "prompt": "hi"}))
     assert status == 404 and "a, b" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["VLLM_USE_MODELSCOPE", "TOKENMILL_USE_MODELSCOPE"])
+def test_modelscope_env_switch_vllm_name_too(name, monkeypatch, tmp_path):
+    import tokenmill.model_loader.source as source
+
+    calls = []
+
+    def fake_modelscope(repo_id, revision, download_dir):
+        calls.append(repo_id)
+        raise ValueError("offline test")
+
+    monkeypatch.setattr(source, "_download_modelscope", fake_modelscope)
+    monkeypatch.delenv("TOKENMILL_USE_MODELSCOPE", raising=False)
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match="offline test"):
+        source.resolve_model_source("org/model")
+    assert calls == ["org/model"]
