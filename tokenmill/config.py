@@ -187,7 +187,12 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags (vLLM's spellings) to `parser`."""
+        """Add the engine flags (vLLM's spellings) to `parser`.
+
+        Flags that take one of a few values have no argparse `choices`: an
+        unknown value (e.g. a vLLM-only --load-format) fails at resolution
+        with a sentence instead of a usage dump.
+        """
         d = EngineArgs()
         g = parser.add_argument_group("model")
         g.add_argument("--tokenizer", default=None, help="Tokenizer folder or repo id (default: the model's).")
@@ -196,8 +201,8 @@ class EngineArgs:
         g.add_argument("--trust-remote-code", action="store_true",
                        help="Passed to transformers when reading the model's config and tokenizer.")
         g.add_argument("--download-dir", default=None, help="Where hub downloads go (default: the hub cache).")
-        g.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy", "pt"],
-                       help="Weight format; dummy = random weights from config.json.")
+        g.add_argument("--load-format", default=d.load_format,
+                       help="auto, safetensors, gguf, pt, or dummy (random weights from config.json).")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16", "half", "float", "fp16", "bf16", "fp32"],
                        help="auto: float32 on CPU (keeps small models' answers right), bfloat16 on GPUs with cc >= 8.0, float16 below.")
         g.add_argument("--seed", type=int, default=d.seed)
@@ -205,7 +210,7 @@ class EngineArgs:
         g.add_argument("--served-model-name", nargs="+", default=None,
                        help="Name(s) clients use; requests may use any, responses report the first "
                             "(default: the model argument).")
-        g.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf", "slow", "mistral", "custom"],
+        g.add_argument("--tokenizer-mode", default=d.tokenizer_mode,
                        help="auto/hf: the fast tokenizer; slow: the Python one (mistral and custom are not built).")
         g.add_argument("--generation-config", default=d.generation_config,
                        help="auto: apply the model's generation_config.json defaults; vllm: ignore them.")
@@ -234,10 +239,9 @@ class EngineArgs:
                             "off on CPU and for several ranks; requests with penalties, min_tokens or structured "
                             "output run synchronous steps).")
         g = parser.add_argument_group("device")
-        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--device", default=d.device, help="auto, cpu or cuda.")
         g.add_argument("--attention-backend", default=None, type=str.upper,
-                       choices=["TORCH_SDPA", "TRITON_ATTN", *VLLM_ATTENTION_BACKENDS],
-                       help="Override the platform's attention backend; vLLM's names "
+                       help="TORCH_SDPA or TRITON_ATTN (default: the platform's); vLLM's names "
                             f"({', '.join(VLLM_ATTENTION_BACKENDS)}) map to this device's best one.")
         g.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
@@ -245,7 +249,7 @@ class EngineArgs:
         g = parser.add_argument_group("parallel")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"])
+        g.add_argument("--distributed-executor-backend", default=None, help="mp, ray or uni.")
         g.add_argument("--disable-log-stats", action="store_true",
                        help="No periodic engine stats line in the server log.")
         return parser

@@ -162,8 +162,13 @@ def _resolve_attention_backend(requested: str | None, platform: Platform) -> str
     """tokenmill's backend name, or None (the device's default); vLLM-only names map to the device's best, logged."""
     from tokenmill.config import VLLM_ATTENTION_BACKENDS
 
-    if requested is None or requested.upper() not in VLLM_ATTENTION_BACKENDS:
+    from tokenmill.attention.selector import BACKEND_NAMES
+
+    if requested is None or requested.upper() in BACKEND_NAMES:
         return requested
+    if requested.upper() not in VLLM_ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {requested} is not known; use TORCH_SDPA or TRITON_ATTN, or leave it "
+                         "out for this device's default.")
     best = "TRITON_ATTN" if platform.device_type == "cuda" else "TORCH_SDPA"
     logger.info("--attention-backend %s is vLLM's; tokenmill does not have it and uses this device's best "
                 "backend, %s.", requested, best)
