@@ -230,6 +230,10 @@ def _resolve_dtype(requested: str, platform: Platform, architecture: str | None 
     if dtype == torch.float16 and fp16_unsafe:
         logger.warning("--dtype float16 with %s: its activations are known to overflow in float16 "
                        "(inf/NaN outputs); prefer bfloat16 or float32.", architecture)
+    if dtype == torch.float16 and platform.device_type == "cpu":
+        # vLLM guides for V100s pass --dtype half; it runs here, but most CPUs convert float16 in software.
+        logger.info("--dtype float16 on CPU: supported, but most CPUs have no float16 arithmetic, so it runs slower "
+                    "than float32 (the CPU default, --dtype auto); it halves weight and KV-cache memory.")
     return dtype
 
 
