@@ -29,17 +29,11 @@ test-fast: $(TEST_STAMP)
 $(PY):
 	python3 -m venv $(VENV)
 
-# With an NVIDIA driver, let pip pick torch (its default build has CUDA).
-# Without one, ask for the CPU build (2.13.0+cpu lies on this machine's disk);
-# a plain torch requirement would pull a multi-GB CUDA build.
+# scripts/install_torch.sh picks the build from nvidia-smi: CUDA 12.6 for
+# compute capability 7.x GPUs (V100, T4: later builds dropped their kernels),
+# pip's default CUDA build for other GPUs, the CPU build without a GPU.
 $(TORCH_STAMP): | $(PY)
-	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
-		echo "torch is already installed in $(VENV)"; \
-	elif nvidia-smi >/dev/null 2>&1; then \
-		$(PIP) install torch; \
-	else \
-		$(PIP) install torch==2.13.0; \
-	fi
+	sh scripts/install_torch.sh $(PY)
 	@touch $@
 
 $(SERVE_STAMP): pyproject.toml $(TORCH_STAMP)

@@ -25,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 420
+# A V100 guide's vLLM command line (run here on CPU: --dtype half is float16 on the CPU).
+V100_GUIDE_ARGS = ["--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9", "--max-model-len", "2048",
+                   "--enforce-eager", "--disable-custom-all-reduce", "--dtype", "half", "--swap-space", "4",
+                   "--block-size", "16"]
 API_KEY = "tm-test-key-0123456789"
 # The session's production server (conftest.py `prod_server`).
 PROD_MAX_MODEL_LEN = 256
@@ -68,15 +72,22 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
         conn.close()
 
 
-class ServerProcess:
-    """`python -m tokenmill.entrypoints.cli serve` with `extra_args`, output in tmp/server.log."""
+SERVE_ENTRY = ("tokenmill.entrypoints.cli", "serve")
 
-    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None) -> None:
+
+class ServerProcess:
+    """`python -m tokenmill.entrypoints.cli serve` with `extra_args`, output in tmp/server.log.
+
+    `entry` is the module (and leading arguments) run with `python -m`, e.g.
+    ("tokenmill.entrypoints.api_server",) for vLLM's simple /generate server.
+    """
+
+    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None,
+                 entry: tuple[str, ...] = SERVE_ENTRY) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(self.port),
-               "--disable-uvicorn-access-log", *extra_args]
+        cmd = [sys.executable, "-m", *entry, "--port", str(self.port), "--disable-uvicorn-access-log", *extra_args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})

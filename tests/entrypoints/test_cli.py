@@ -18,7 +18,7 @@ def test_serve_defaults_are_local_and_help_names_device_defaults(capsys):
     args = make_parser().parse_args(["serve"])
     assert (args.host, args.port, args.model_tag) == ("127.0.0.1", 8000, None)
     args = make_parser().parse_args(["serve", "some/model", "--served-model-name", "m", "--max-num-seqs", "4"])
-    assert (args.model_tag, args.served_model_name, args.max_num_seqs) == ("some/model", "m", 4)
+    assert (args.model_tag, args.served_model_name, args.max_num_seqs) == ("some/model", ["m"], 4)
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())

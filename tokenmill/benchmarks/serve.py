@@ -317,7 +317,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         ValueError: a flag is invalid or the server rejects the first request.
+        ModuleNotFoundError: aiohttp (the bench extra) is missing; raised before any work.
     """
+    import aiohttp  # noqa: F401 - the `tokenmill` command turns its absence into the install line
+
     selected = parse_metric_names(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
     slos = parse_goodput(args.goodput)

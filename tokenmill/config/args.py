@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenmill.config.configs import parse_size
+from tokenmill.config.configs import VLLM_ATTENTION_BACKENDS, parse_size
 
 if TYPE_CHECKING:
     from tokenmill.config.configs import EngineConfig
@@ -34,7 +34,8 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # several names: all accepted, the first reported
+    tokenizer_mode: str = "auto"
     generation_config: str = "auto"
     max_logprobs: int = 20
     chat_template: str | None = None
@@ -54,31 +55,42 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    disable_custom_all_reduce: bool = False
+    disable_custom_all_reduce: bool = False  # accepted from LLM(...); nothing to disable here
     # logging
     disable_log_stats: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags (vLLM's spellings) to `parser`."""
+        """Add the engine flags (vLLM's spellings) to `parser`.
+
+        Flags that take one of a few values have no argparse `choices`: an
+        unknown value (e.g. a vLLM-only --load-format) fails at resolution
+        with a sentence instead of a usage dump.
+        """
         d = EngineArgs()
         g = parser.add_argument_group("model")
         g.add_argument("--tokenizer", default=None, help="Tokenizer folder or repo id (default: the model's).")
         g.add_argument("--skip-tokenizer-init", action="store_true", help="Do not load a tokenizer; token-id prompts only.")
         g.add_argument("--revision", default=None, help="Hub revision of the model.")
-        g.add_argument("--trust-remote-code", action="store_true", help="Accepted for vLLM compatibility; no remote code is run.")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="Passed to transformers when reading the model's config and tokenizer.")
         g.add_argument("--download-dir", default=None, help="Where hub downloads go (default: the hub cache).")
-        g.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy", "pt"],
-                       help="Weight format; dummy = random weights from config.json.")
+        g.add_argument("--load-format", default=d.load_format,
+                       help="auto, safetensors, gguf, pt, or dummy (random weights from config.json).")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16", "half", "float", "fp16", "bf16", "fp32"],
                        help="auto: float32 on CPU (keeps small models' answers right), bfloat16 on GPUs with cc >= 8.0, float16 below.")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--max-model-len", type=_int_or_size, default=None, help="Context length (default: the model's limit).")
-        g.add_argument("--served-model-name", default=None, help="Name clients use (default: the model argument).")
+        g.add_argument("--served-model-name", nargs="+", default=None,
+                       help="Name(s) clients use; requests may use any, responses report the first "
+                            "(default: the model argument).")
+        g.add_argument("--tokenizer-mode", default=d.tokenizer_mode,
+                       help="auto/hf: the fast tokenizer; slow: the Python one (mistral and custom are not built).")
         g.add_argument("--generation-config", default=d.generation_config,
                        help="auto: apply the model's generation_config.json defaults; vllm: ignore them.")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="Largest logprobs/top_logprobs a request may ask for.")
@@ -106,16 +118,19 @@ class EngineArgs:
                             "off on CPU and for several ranks; requests with penalties, min_tokens or structured "
                             "output run synchronous steps).")
         g = parser.add_argument_group("device")
-        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-        g.add_argument("--attention-backend", default=None, choices=["TORCH_SDPA", "TRITON_ATTN"],
-                       help="Override the platform's attention backend.")
+        g.add_argument("--device", default=d.device, help="auto, cpu or cuda.")
+        g.add_argument("--attention-backend", default=None, type=str.upper,
+                       help="TORCH_SDPA or TRITON_ATTN (default: the platform's); vLLM's names "
+                            f"({', '.join(VLLM_ATTENTION_BACKENDS)}) map to this device's best one.")
         g.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
+        g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
+                       help="Decode steps whose longest sequence is above this run eagerly, not in a CUDA graph.")
         g = parser.add_argument_group("parallel")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"])
-        g.add_argument("--disable-custom-all-reduce", action="store_true", help="Accepted for vLLM compatibility.")
-        g.add_argument("--disable-log-stats", action="store_true")
+        g.add_argument("--distributed-executor-backend", default=None, help="mp, ray or uni.")
+        g.add_argument("--disable-log-stats", action="store_true",
+                       help="No periodic engine stats line in the server log.")
         return parser
 
     @classmethod

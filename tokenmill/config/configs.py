@@ -38,6 +38,11 @@ def parse_size(value: str | int) -> int:
     return int(num * ((1024 if binary else 1000) ** power))
 
 
+# vLLM's attention backend names without a counterpart here: mapped to the device's default (logged).
+VLLM_ATTENTION_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "XFORMERS", "TRITON_ATTN_VLLM_V1", "TORCH_SDPA_VLLM_V1",
+                           "FLASH_ATTN_VLLM_V1", "FLEX_ATTENTION")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """The model, resolved. `hf_config` is a transformers `PretrainedConfig`."""
@@ -54,11 +59,13 @@ class ModelConfig:
     architecture: str
     hf_config: Any
     generation_config: dict[str, Any] = field(default_factory=dict)
-    served_model_name: str = ""
+    served_model_name: str = ""  # the first of served_model_names: what responses report
+    served_model_names: list[str] = field(default_factory=list)  # every name a request may use
     max_logprobs: int = 20
     trust_remote_code: bool = False
     revision: str | None = None
     chat_template: str | None = None
+    tokenizer_mode: str = "auto"  # auto | hf (fast tokenizer) | slow
 
 
 @dataclass(slots=True)
@@ -117,6 +124,8 @@ class DeviceConfig:
     device: str = "cpu"  # cpu | cuda
     attention_backend: str | None = None  # TORCH_SDPA | TRITON_ATTN | None (auto)
     enforce_eager: bool = False
+    # Decode steps whose longest sequence is longer than this run eagerly (vLLM's max_seq_len_to_capture).
+    max_seq_len_to_capture: int = 8192
     # Simulate a compute-capability-7.0 GPU (fp16 only, no flash SDPA, sm_70
     # Triton paths) on any CUDA device: env TOKENMILL_FORCE_CC70=1.
     force_cc70: bool = False

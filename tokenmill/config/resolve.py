@@ -69,6 +69,10 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     dtype = _resolve_dtype(args.dtype, platform, architecture)
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
     _verify_parallel(args, hf_config, platform)
+    served_names = _served_model_names(args)
+    if args.tokenizer_mode == "slow":
+        logger.warning("--tokenizer-mode slow is ignored: the incremental detokenizer needs the fast Hugging Face "
+                       "tokenizer, which gives the same tokens.")
     model_config = ModelConfig(
         model=args.model if args.model is not None else BUNDLED_MODEL_NAME,
         model_path=source.weights_path,
@@ -82,11 +86,13 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
         architecture=architecture,
         hf_config=hf_config,
         generation_config=_resolve_generation_config(args.generation_config, source),
-        served_model_name=args.served_model_name or (args.model if args.model is not None else BUNDLED_MODEL_NAME),
+        served_model_name=served_names[0],
+        served_model_names=served_names,
         max_logprobs=args.max_logprobs,
         trust_remote_code=args.trust_remote_code,
         revision=args.revision,
         chat_template=args.chat_template,
+        tokenizer_mode=args.tokenizer_mode,
     )
     return EngineConfig(
         model_config=model_config,
@@ -96,12 +102,13 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
-            disable_custom_all_reduce=args.disable_custom_all_reduce,
+            disable_custom_all_reduce=bool(args.disable_custom_all_reduce),
         ),
         device_config=DeviceConfig(
             device=platform.device_type,
-            attention_backend=args.attention_backend,
+            attention_backend=_resolve_attention_backend(args.attention_backend, platform),
             enforce_eager=args.enforce_eager,
+            max_seq_len_to_capture=args.max_seq_len_to_capture,
             force_cc70=platform.device_type == "cuda" and force_cc70_requested(),
         ),
     )
@@ -129,8 +136,40 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
         raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}.")
     if args.max_logprobs < 0:
         raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}.")
+    if args.tokenizer_mode not in ("auto", "hf", "slow"):
+        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode} is not supported; use auto (the fast Hugging Face "
+                         "tokenizer) or slow.")
+    if args.max_seq_len_to_capture < 1:
+        raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {args.max_seq_len_to_capture}.")
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
+
+
+def _served_model_names(args: EngineArgs) -> list[str]:
+    """--served-model-name as a list (one or several names), default the model argument."""
+    names = args.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    if not names:
+        names = [args.model if args.model is not None else BUNDLED_MODEL_NAME]
+    return list(dict.fromkeys(names))  # repeated names once, order kept
+
+
+def _resolve_attention_backend(requested: str | None, platform: Platform) -> str | None:
+    """tokenmill's backend name, or None (the device's default); vLLM-only names map to the device's best, logged."""
+    from tokenmill.config.configs import VLLM_ATTENTION_BACKENDS
+
+    from tokenmill.attention.selector import BACKEND_NAMES
+
+    if requested is None or requested.upper() in BACKEND_NAMES:
+        return requested
+    if requested.upper() not in VLLM_ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {requested} is not known; use TORCH_SDPA or TRITON_ATTN, or leave it "
+                         "out for this device's default.")
+    best = "TRITON_ATTN" if platform.device_type == "cuda" else "TORCH_SDPA"
+    logger.info("--attention-backend %s is vLLM's; tokenmill does not have it and uses this device's best "
+                "backend, %s.", requested, best)
+    return best
 
 
 def _verify_parallel(args: EngineArgs, hf_config: Any, platform: Platform) -> None:
@@ -188,6 +227,10 @@ def _resolve_dtype(requested: str, platform: Platform, architecture: str | None 
     if dtype == torch.float16 and fp16_unsafe:
         logger.warning("--dtype float16 with %s: its activations are known to overflow in float16 "
                        "(inf/NaN outputs); prefer bfloat16 or float32.", architecture)
+    if dtype == torch.float16 and platform.device_type == "cpu":
+        # vLLM guides for V100s pass --dtype half; it runs here, but most CPUs convert float16 in software.
+        logger.info("--dtype float16 on CPU: supported, but most CPUs have no float16 arithmetic, so it runs slower "
+                    "than float32 (the CPU default, --dtype auto); it halves weight and KV-cache memory.")
     return dtype
 
 

@@ -19,6 +19,7 @@ from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.chat_template import apply_chat_template
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.config.vllm_flags import check_compat_flags
 
 Conversation = list[dict[str, Any]]
 
@@ -39,12 +40,18 @@ class LLM:
         llm_engine: the `LLMEngine` (its `get_stats()` has the scheduler counters).
 
     Raises:
-        ValueError: an unknown keyword, or an argument that does not fit the
-            model or device.
+        ValueError: an unknown keyword, a vLLM argument for something not
+            built yet (e.g. enable_lora), or an argument that does not fit the
+            model or device. vLLM arguments with no meaning here (swap_space,
+            ...) are accepted with a log line.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         known = {f.name for f in dataclasses.fields(EngineArgs)}
+        # vLLM arguments that mean nothing here are logged, unbuilt ones refused (config/vllm_flags.py).
+        for name in check_compat_flags(engine_kwargs):
+            if name not in known:
+                engine_kwargs.pop(name)
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
             raise ValueError(f"Unknown LLM argument(s): {', '.join(unknown)}. Valid ones are EngineArgs fields: "

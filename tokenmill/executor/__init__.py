@@ -38,8 +38,8 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
     try:
         import ray  # noqa: F401  (only checks that it is installed)
     except ImportError as e:
-        raise ValueError("--distributed-executor-backend ray needs the ray package: pip install 'tokenmill[ray]' "
-                         "(or pip install ray).") from e
+        raise ValueError("--distributed-executor-backend ray needs the ray package: pip install -e '.[ray]' in the "
+                         "tokenmill checkout (or pip install ray).") from e
     from tokenmill.executor.ray_executor import RayDistributedExecutor
 
     return RayDistributedExecutor

@@ -71,6 +71,9 @@ class AsyncLLM:
         # Optional metrics sink (entrypoints/openai/metrics.ServerMetrics): fed
         # scheduler stats, per-step token timings, finishes and aborts.
         self.stats_observer: Any = None
+        # --enable-log-requests: one INFO line per request (prompt cut to max_log_len characters / token ids).
+        self.log_requests = False
+        self.max_log_len: int | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
 
     @classmethod
@@ -161,6 +164,12 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already running; request ids must be unique.")
         request = self.input_processor.process(request_id, prompt, sampling_params, priority=priority)
+        if self.log_requests:
+            text, ids = get_prompt_text(prompt), request.prompt_token_ids
+            cut = self.max_log_len
+            logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id,
+                        text[:cut] if text is not None and cut is not None else text, sampling_params,
+                        list(ids[:cut]) if cut is not None else list(ids))
         if stream is None:
             stream = OutputStream(self)
         # n > 1 runs as n core requests; the OutputProcessor gathers them

@@ -7,7 +7,7 @@ Accepted forms of `model`:
     /path/to/model.gguf        a single GGUF file
     org/name                   a Hugging Face Hub repo, downloaded with huggingface_hub
     org/name:Q4_K_M            the GGUF file(s) of that quantization in a Hub repo
-    modelscope:org/name        a ModelScope repo (or any repo id with TOKENMILL_USE_MODELSCOPE=1)
+    modelscope:org/name        a ModelScope repo (or any repo id with TOKENMILL_USE_MODELSCOPE=1 or VLLM_USE_MODELSCOPE=1)
 """
 
 from __future__ import annotations

@@ -30,4 +30,21 @@ def current_platform(device: str | None = "auto") -> Platform:
     raise ValueError(f"Unknown device {device!r}; use auto, cpu or cuda.")
 
 
-__all__ = ["Platform", "current_platform"]
+def warn_if_cuda_torch_without_gpu() -> bool:
+    """Log a warning when this torch is a CUDA build but no GPU is visible (it then runs on CPU). Returns True if so.
+
+    A CUDA build on a CPU-only machine works, but it is gigabytes larger and
+    its CPU kernels are no faster than the CPU build's.
+    """
+    import logging
+
+    if torch.version.cuda is None or torch.cuda.is_available():
+        return False
+    logging.getLogger(__name__).warning(
+        "This PyTorch (%s) is a CUDA %s build, but no NVIDIA GPU is visible, so tokenmill runs on the CPU. On a "
+        "machine without a GPU the CPU build is much smaller: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu", torch.__version__, torch.version.cuda)
+    return True
+
+
+__all__ = ["Platform", "current_platform", "warn_if_cuda_torch_without_gpu"]

@@ -149,7 +149,7 @@ def import_xgrammar() -> Any:
         import xgrammar
     except ImportError:
         raise ValueError("Structured output needs the xgrammar package, which is not installed on this server; "
-                         "install it with: pip install 'tokenmill[structured]'.") from None
+                         "install it with: pip install -e '.[structured]' in the tokenmill checkout.") from None
     return xgrammar
 
 

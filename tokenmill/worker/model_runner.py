@@ -165,7 +165,7 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphRunner(
                 self._run_model, self.input_batch.device_buffers, self.input_batch.block_table.block_table,
                 self.kv_caches, self.attn_backend, capture_sizes(self.max_num_reqs, self.max_num_tokens),
-                self.max_model_len,
+                self.graph_max_seq_len,
             )
             self.cuda_graphs.capture()
         # The engine core logs the one user-facing KV-cache line; this one is per worker.
@@ -185,6 +185,11 @@ class ModelRunner:
             self.cuda_graphs = None
         self.kv_caches = []
         self.model = None
+
+    @property
+    def graph_max_seq_len(self) -> int:
+        """The longest sequence a decode step may have to replay a CUDA graph (vLLM's max_seq_len_to_capture)."""
+        return min(self.max_model_len, self.config.device_config.max_seq_len_to_capture)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need CUDA, the TRITON_ATTN backend, one pipeline stage and no --enforce-eager."""
@@ -226,7 +231,8 @@ class ModelRunner:
         inputs = batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
         md = inputs.attn_metadata
         hidden = None
-        if self.cuda_graphs is not None and md.max_query_len == 1:
+        # A graph is captured for sequences up to graph_max_seq_len (--max-seq-len-to-capture); longer runs eagerly.
+        if self.cuda_graphs is not None and md.max_query_len == 1 and md.max_seq_len <= self.graph_max_seq_len:
             hidden = self.cuda_graphs.replay(md.num_reqs)
         if hidden is None:
             with set_forward_context(md, self.kv_caches, self.attn_backend):

@@ -11,9 +11,13 @@ Routes (docs/server.md has the details):
     POST /tokenize, /detokenize
     GET  /stats                the latest SchedulerStats (JSON), for tests and debugging
     /api/*                     Ollama's API (entrypoints/ollama/)
+    POST /v1/embeddings, ...   501: vLLM routes not built yet (unbuilt_routes.py)
 
-Middleware, outermost first: X-Request-Id, API key (auth.py), body size and
-content type (request_guard.py).
+Middleware, outermost first: CORS and --middleware (http_options.py),
+X-Request-Id, API key (auth.py), body size and content type (request_guard.py).
+
+`python -m tokenmill.entrypoints.openai.api_server [MODEL] [flags]` is
+`tokenmill serve` (the module path older vLLM images start).
 
 All requests share one engine: every handler only queues its requests and
 awaits its own outputs, so the core batches whatever is in flight.
@@ -34,6 +38,7 @@ from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
 from tokenmill.entrypoints.openai.errors import error_response, install_error_handlers
+from tokenmill.entrypoints.openai.http_options import HTTPOptions, install_http_options
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -114,7 +119,7 @@ def _generation_route(serving: OpenAIServing, request_type: type[BaseModel], nam
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
               chat_template: str | None = None, *, api_keys: list[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_vllm_names: bool = False,
-              max_n: int | None = None, **agent_kwargs: Any) -> FastAPI:
+              max_n: int | None = None, http_options: HTTPOptions | None = None, **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
 
     Args:
@@ -129,17 +134,21 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         max_request_body_bytes: larger bodies get 413.
         metrics_vllm_names: also export /metrics under the `vllm:` prefix.
         max_n: largest `n` (default: the engine's max_num_seqs).
+        http_options: CORS, --middleware, docs routes (default: none of them, docs on).
         agent_kwargs: enable_auto_tool_choice, tool_call_parser, reasoning_parser
             (see tool_parsers/agents.py).
     """
     from tokenmill.entrypoints.ollama.routes import build_ollama_router
+    from tokenmill.entrypoints.openai.unbuilt_routes import build_unbuilt_router
 
-    app = FastAPI(title="tokenmill", version=get_version())
+    http_options = http_options or HTTPOptions()
+    app = FastAPI(title="tokenmill", version=get_version(), **http_options.fastapi_kwargs())
     install_error_handlers(app)
     # add_middleware puts the last one outermost.
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=max_request_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys or []))
     app.add_middleware(RequestIdMiddleware)
+    install_http_options(app, http_options)
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs, max_n)
     chat = OpenAIServingChat(engine, served_model_names, max_logprobs, max_n, chat_template=chat_template,
                              **agent_kwargs)
@@ -214,11 +223,15 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         return stored.response
 
     app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected))
+    app.include_router(build_unbuilt_router())
     return app
 
 
 def add_server_cli_args(group: Any) -> None:
-    """Production flags of `tokenmill serve` (auth, limits, metrics, shutdown); see docs/server.md."""
+    """Production flags of `tokenmill serve` (auth, limits, metrics, shutdown, HTTP options); see docs/server.md."""
+    from tokenmill.entrypoints.openai.http_options import add_http_cli_args
+
+    add_http_cli_args(group)
     group.add_argument("--api-key", action="append", default=None,
                        help="Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize, /api/* "
                             "(repeat for several keys). Default: env TOKENMILL_API_KEY, else VLLM_API_KEY, else none.")
@@ -255,11 +268,19 @@ def _graceful_server(config: Any) -> Any:
     return GracefulServer(config)
 
 
-async def run_server(args: Any) -> int:
+async def run_server(args: Any, build: Callable[[Any, list[str], Any, HTTPOptions], FastAPI] | None = None) -> int:
     """Start the engine core, then serve HTTP until SIGTERM/SIGINT. Returns the exit code.
 
+    Before the engine starts: vLLM flags that are ignored here are logged and
+    not-built ones refused (config/vllm_flags.py), and a bad port, missing
+    file or unreadable model path fails (http_options.check_before_start).
     Shutdown: stop accepting connections, give in-flight requests
     `--shutdown-timeout` seconds to finish, abort what is left, stop the core.
+
+    Args:
+        args: the parsed `tokenmill serve` flags.
+        build: `build(engine, served_model_names, args, http_options) -> app`;
+            default the OpenAI app (the legacy /generate server passes its own).
 
     Raises:
         ValueError: bad engine arguments (the CLI prints it and exits 1).
@@ -269,42 +290,77 @@ async def run_server(args: Any) -> int:
 
     from tokenmill.config import EngineArgs
     from tokenmill.entrypoints.openai.auth import resolve_api_keys
-    from tokenmill.entrypoints.openai.metrics import vllm_names_from_env
+    from tokenmill.entrypoints.openai.http_options import check_before_start, http_options_from_args
+    from tokenmill.entrypoints.openai.stats_logger import log_stats_periodically
     from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig, agent_kwargs
+    from tokenmill.config.vllm_flags import check_compat_flags
     from tokenmill.frontend.async_llm import AsyncLLM
 
+    check_compat_flags(vars(args))
+    check_before_start(args)
+    opts = http_options_from_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     ChatAgentConfig(**agent_kwargs(args))  # bad tool/reasoning flags fail before the engine starts
-    api_keys = resolve_api_keys(getattr(args, "api_key", None))
+    resolve_api_keys(getattr(args, "api_key", None))  # so do empty API keys
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 10.0))
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}.")
-    vllm_names = getattr(args, "metrics_vllm_names", None)
     engine = await AsyncLLM.from_engine_args(engine_args, usage="server")
+    engine.log_requests, engine.max_log_len = opts.log_requests, opts.max_log_len
     try:
         mc = engine.model_config
-        names = [mc.served_model_name or mc.model or "default"]
-        app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template,
-                        api_keys=api_keys,
-                        max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
-                        metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
-                        **agent_kwargs(args))
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log,
+        names = list(mc.served_model_names) or [mc.served_model_name or mc.model or "default"]
+        app = (build or build_openai_app)(engine, names, args, opts)
+        config = uvicorn.Config(app, **opts.uvicorn_kwargs(), timeout_keep_alive=5,
                                 # A backstop only: abort_after_grace ends the streams first.
                                 timeout_graceful_shutdown=shutdown_timeout + 2.0)
         server = _graceful_server(config)
-        logger.info("serving %s on http://%s:%d%s", names[0], args.host, args.port,
-                    " (API key required)" if api_keys else "")
-        watcher = asyncio.ensure_future(_abort_after_grace(server, engine, shutdown_timeout))
+        keyed = bool(getattr(app.state, "api_keys", None))
+        tasks = [asyncio.ensure_future(_abort_after_grace(server, engine, shutdown_timeout)),
+                 asyncio.ensure_future(_log_when_bound(server, names[0], opts, keyed))]
+        if opts.log_stats:
+            tasks.append(asyncio.ensure_future(log_stats_periodically(engine)))
         try:
             await server.serve()
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
         engine.abort_all()
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+def build_openai_app(engine: Any, names: list[str], args: Any, opts: HTTPOptions) -> FastAPI:
+    """The OpenAI app for `tokenmill serve`'s parsed flags (`run_server`'s default builder)."""
+    from tokenmill.entrypoints.openai.auth import resolve_api_keys
+    from tokenmill.entrypoints.openai.metrics import vllm_names_from_env
+    from tokenmill.entrypoints.openai.tool_parsers.agents import agent_kwargs
+
+    mc = engine.model_config
+    api_keys = resolve_api_keys(getattr(args, "api_key", None))
+    vllm_names = getattr(args, "metrics_vllm_names", None)
+    app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template, api_keys=api_keys,
+                    max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                    metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
+                    http_options=opts, **agent_kwargs(args))
+    app.state.api_keys = api_keys
+    return app
+
+
+async def _log_when_bound(server: Any, name: str, opts: HTTPOptions, keyed: bool) -> None:
+    """Log "serving NAME on URL" once uvicorn has bound its socket (never before: a bad port fails first)."""
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    port = opts.port
+    for s in getattr(server, "servers", []):
+        for sock in getattr(s, "sockets", None) or []:
+            port = sock.getsockname()[1]
+    scheme = "https" if opts.ssl.get("ssl_certfile") else "http"
+    logger.info("serving %s on %s://%s:%d%s%s", name, scheme, opts.host, port, opts.root_path,
+                " (API key required)" if keyed else "")
 
 
 async def _abort_after_grace(server: Any, engine: Any, grace_s: float) -> None:
@@ -322,3 +378,13 @@ async def _abort_after_grace(server: Any, engine: Any, grace_s: float) -> None:
                             "period (--shutdown-timeout).")
     if left:
         logger.info("shutdown: aborted %d request(s) still running after %g s", left, grace_s)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tokenmill.entrypoints.cli import main
+
+    # vLLM's `python -m vllm.entrypoints.openai.api_server --model M ...` == `tokenmill serve --model M ...`.
+    sys.argv = [sys.argv[0], "serve", *sys.argv[1:]]
+    sys.exit(main())

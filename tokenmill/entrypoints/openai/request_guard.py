@@ -97,9 +97,10 @@ class BodyGuardMiddleware:
             await self.app(scope, receive, send)
             return
         content_type = _header(scope, b"content-type")
-        if scope.get("path", "").startswith("/api/"):
-            # Ollama's documented usage is `curl -d '{...}'` (a form content
-            # type): its routes read the body as JSON whatever the header says.
+        if scope.get("path", "").startswith("/api/") or scope.get("path") == "/generate":
+            # Ollama's and vLLM's simple API's (/generate) documented usage is
+            # `curl -d '{...}'` (a form content type): those routes read the
+            # body as JSON whatever the header says.
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         elif content_type is not None:

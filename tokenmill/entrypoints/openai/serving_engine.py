@@ -187,16 +187,14 @@ class OpenAIServing:
         return f"{prefix}-{header_id}" if header_id else random_id(prefix)
 
     def check_model(self, model: str | None) -> str:
-        """The model name to echo in responses.
+        """The model name responses report: the first served name, whichever one `model` used (as vLLM).
 
         Raises:
             ModelNotFoundError: `model` is set and not one of ours.
         """
-        if model is None or model == "":
-            return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model and model not in self.served_model_names:
             raise ModelNotFoundError(model, self.served_model_names)
-        return model
+        return self.served_model_names[0]
 
     def check_logprobs(self, logprobs: int | None, field_name: str = "logprobs") -> None:
         """Raises ValueError when more top logprobs are asked than --max-logprobs allows."""
