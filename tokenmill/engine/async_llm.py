@@ -124,8 +124,13 @@ class AsyncLLM:
         return self.scheduler_stats
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+                            add_generation_prompt: bool = True, sanitize_control_tokens: bool = False,
+                            **kwargs: Any) -> list[int]:
         """Render chat messages with the model's template and tokenize them.
+
+        `chat_template` is Jinja text and is never opened as a file (it may
+        come from a request); None: `--chat-template` (a file or text), else
+        the tokenizer's. Rendering is sandboxed and bounded (chat_template_sandbox.py).
 
         Returns:
             Prompt token ids (the template wrote any BOS; none is added).
@@ -133,12 +138,12 @@ class AsyncLLM:
         Raises:
             ValueError: no template, or the template rejects the messages.
         """
-        from tokenmill.engine.tokenizer import apply_chat_template
+        from tokenmill.engine.chat_template_sandbox import chat_prompt_ids
+        from tokenmill.engine.tokenizer import resolve_chat_template
 
-        template = chat_template if chat_template is not None else self.model_config.chat_template
-        text = apply_chat_template(self.tokenizer, messages, chat_template=template,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        template = chat_template if chat_template is not None else resolve_chat_template(self.model_config.chat_template)
+        return chat_prompt_ids(self.tokenizer, template, messages, add_generation_prompt=add_generation_prompt,
+                               sanitize_control_tokens=sanitize_control_tokens, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     sampling_params: SamplingParams, priority: int = 0,

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy, add_chat_template_cli_args
 from tokenmill.entrypoints.openai.errors import error_response, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
@@ -87,7 +88,8 @@ async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | 
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
               chat_template: str | None = None, *, api_keys: list[str] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_vllm_names: bool = False,
-              max_n: int | None = None, **agent_kwargs: Any) -> FastAPI:
+              max_n: int | None = None, trust_request_chat_template: bool = False,
+              sanitize_control_tokens: bool = False, **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
 
     Args:
@@ -102,6 +104,7 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         max_request_body_bytes: larger bodies get 413.
         metrics_vllm_names: also export /metrics under the `vllm:` prefix.
         max_n: largest `n` (default: the engine's max_num_seqs).
+        trust_request_chat_template, sanitize_control_tokens: chat_template_guard.ChatTemplatePolicy.
         agent_kwargs: enable_auto_tool_choice, tool_call_parser, reasoning_parser
             (see tool_parsers/agents.py).
     """
@@ -114,9 +117,11 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys or []))
     app.add_middleware(RequestIdMiddleware)
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs, max_n)
+    policy = ChatTemplatePolicy(trust_request_chat_template, sanitize_control_tokens)
     chat = OpenAIServingChat(engine, served_model_names, max_logprobs, max_n, chat_template=chat_template,
-                             **agent_kwargs)
+                             template_policy=policy, **agent_kwargs)
     tokenization = OpenAIServingTokenization(engine, served_model_names, max_logprobs, max_n)
+    tokenization.template_policy = policy
     metrics = ServerMetrics(served_model_names[0], vllm_names=metrics_vllm_names)
     if hasattr(engine, "stats_observer"):
         engine.stats_observer = metrics
@@ -182,7 +187,7 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         finally:
             sub.stream.close()
 
-    app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected))
+    app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected, policy))
     return app
 
 
@@ -199,6 +204,7 @@ def add_server_cli_args(group: Any) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted "
                             "(default 10).")
+    add_chat_template_cli_args(group)
 
 
 def _graceful_server(config: Any) -> Any:
@@ -257,6 +263,8 @@ async def run_server(args: Any) -> int:
                         api_keys=api_keys,
                         max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
                         metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
+                        trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+                        sanitize_control_tokens=bool(getattr(args, "sanitize_control_tokens", False)),
                         **agent_kwargs(args))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log,

@@ -6,6 +6,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenmill.engine.tokenizer import resolve_chat_template
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -36,9 +38,12 @@ class OpenAIServingChat(OpenAIServing):
     """Handler for /v1/chat/completions."""
 
     def __init__(self, *args: Any, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, **kwargs: Any) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 template_policy: ChatTemplatePolicy | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.chat_template = chat_template
+        # The operator's --chat-template (a file or text), read once; request templates are text only.
+        self.chat_template = resolve_chat_template(chat_template)
+        self.template_policy = template_policy or ChatTemplatePolicy()
         # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
         self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
 
@@ -54,12 +59,13 @@ class OpenAIServingChat(OpenAIServing):
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params)
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
-        kwargs = dict(req.chat_template_kwargs or {})
+        template, kwargs = self.template_policy.request_template(req.chat_template, req.chat_template_kwargs)
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         prompt_ids = self.agents.prepare(
-            self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
+            self.engine, req, messages, params, chat_template=template or self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            sanitize_control_tokens=self.template_policy.sanitize_control_tokens, **kwargs)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
         return response_id, model, self.submit(response_id, [prompt_ids], params, req.priority or 0,
                                                  req.cache_salt)
