@@ -127,9 +127,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState, comp: CompletionOutput,
                       streamer: ChoiceStreamer) -> list[dict[str, Any]]:
-        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last."""
+        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last.
+
+        New token ids make a chunk even when they add no text (delta `{}`), so
+        the stream carries exactly one logprob entry per generated token.
+        """
         if choice.finished:
             return []
+        new_tokens = len(comp.token_ids) > choice.num_tokens
         logprobs = None
         if req.logprobs:
             new = (comp.logprobs or [])[choice.num_logprobs:]
@@ -140,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
-        if not (deltas or finish):
+        if not (deltas or finish or new_tokens):
             return []
         deltas = deltas or [{}]
         out = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}
