@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError, ServerShuttingDownError
 from tokenmill.engine.input_processor import get_prompt_text
 from tokenmill.engine.parallel_sampling import make_child_requests
 from tokenmill.engine.serial import MessageKind
@@ -226,14 +226,14 @@ class AsyncLLM:
     def abort_all(self, reason: str = "The server is shutting down; the request was aborted.") -> int:
         """Abort every request in flight (shutdown after its grace period). Returns how many.
 
-        Their consumers get `EngineDeadError(reason)` (HTTP 503, or an error
-        event in a stream) instead of waiting forever.
+        Their consumers get `ServerShuttingDownError(reason)` (HTTP 503, or an
+        error event in a stream) instead of waiting forever.
         """
         queues = {id(q): q for q in self._queues.values()}
         ids = list(self._queues)
         self.abort_requests(ids)
         for queue in queues.values():
-            queue.put_nowait(EngineDeadError(reason))
+            queue.put_nowait(ServerShuttingDownError(reason))
         return len(ids)
 
     @property

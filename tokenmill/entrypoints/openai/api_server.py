@@ -11,8 +11,9 @@ Routes (docs/server.md has the details):
     GET  /stats                the latest SchedulerStats (JSON), for tests and debugging
     /api/*                     Ollama's API (entrypoints/ollama/)
 
-Middleware, outermost first: X-Request-Id, API key (auth.py), body size and
-content type (request_guard.py).
+Middleware, outermost first: X-Request-Id, API key (auth.py), body size,
+content type and JSON sanity (request_guard.py), unexpected errors -> 500
+without dropping the connection (errors.py).
 
 All requests share one engine: every handler only queues its requests and
 awaits its own outputs, so the core batches whatever is in flight.
@@ -32,7 +33,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
 from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy, add_chat_template_cli_args
-from tokenmill.entrypoints.openai.errors import error_response, install_error_handlers
+from tokenmill.entrypoints.openai.engine_watch import ENGINE_DEAD_EXIT_CODE, EngineWatch
+from tokenmill.entrypoints.openai.errors import UnexpectedErrorMiddleware, error_response, install_error_handlers
+from tokenmill.entrypoints.openai.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    add_limit_cli_args,
+    bounded_protocol,
+)
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -87,7 +96,8 @@ async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | 
 
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
               chat_template: str | None = None, *, api_keys: list[str] | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_vllm_names: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_body_timeout_s: float | None = None,
+              metrics_vllm_names: bool = False,
               max_n: int | None = None, trust_request_chat_template: bool = False,
               sanitize_control_tokens: bool = False, **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
@@ -102,6 +112,7 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         chat_template: server-wide chat template override (file or Jinja text).
         api_keys: bearer keys required on protected routes (None/[]: open server).
         max_request_body_bytes: larger bodies get 413.
+        request_body_timeout_s: a body not complete this long after its headers gets 408 (None: no deadline).
         metrics_vllm_names: also export /metrics under the `vllm:` prefix.
         max_n: largest `n` (default: the engine's max_num_seqs).
         trust_request_chat_template, sanitize_control_tokens: chat_template_guard.ChatTemplatePolicy.
@@ -113,7 +124,9 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     app = FastAPI(title="tokenmill", version=get_version())
     install_error_handlers(app)
     # add_middleware puts the last one outermost.
-    app.add_middleware(BodyGuardMiddleware, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=max_request_body_bytes,
+                       body_timeout_s=request_body_timeout_s)
     app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys or []))
     app.add_middleware(RequestIdMiddleware)
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs, max_n)
@@ -205,6 +218,7 @@ def add_server_cli_args(group: Any) -> None:
                        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted "
                             "(default 10).")
     add_chat_template_cli_args(group)
+    add_limit_cli_args(group)
 
 
 def _graceful_server(config: Any) -> Any:
@@ -235,6 +249,8 @@ async def run_server(args: Any) -> int:
 
     Shutdown: stop accepting connections, give in-flight requests
     `--shutdown-timeout` seconds to finish, abort what is left, stop the core.
+    A dead engine core stops the server too, with exit code
+    ENGINE_DEAD_EXIT_CODE (engine_watch.py).
 
     Raises:
         ValueError: bad engine arguments (the CLI prints it and exits 1).
@@ -262,23 +278,31 @@ async def run_server(args: Any) -> int:
         app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template,
                         api_keys=api_keys,
                         max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                        request_body_timeout_s=getattr(args, "request_body_timeout", DEFAULT_BODY_TIMEOUT_S),
                         metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
                         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
                         sanitize_control_tokens=bool(getattr(args, "sanitize_control_tokens", False)),
                         **agent_kwargs(args))
+        protocol = bounded_protocol(getattr(args, "request_header_timeout", DEFAULT_HEADER_TIMEOUT_S),
+                                    getattr(args, "limit_concurrency", DEFAULT_LIMIT_CONCURRENCY))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log, http=protocol,
                                 # A backstop only: abort_after_grace ends the streams first.
                                 timeout_graceful_shutdown=shutdown_timeout + 2.0)
         server = _graceful_server(config)
         logger.info("serving %s on http://%s:%d%s", names[0], args.host, args.port,
                     " (API key required)" if api_keys else "")
         watcher = asyncio.ensure_future(_abort_after_grace(server, engine, shutdown_timeout))
+        engine_watch = EngineWatch(server, engine)
+        engine_watcher = asyncio.ensure_future(engine_watch.run())
         try:
             await server.serve()
         finally:
             watcher.cancel()
+            engine_watcher.cancel()
         engine.abort_all()
+        if engine_watch.engine_died:
+            return ENGINE_DEAD_EXIT_CODE
         return 0 if server.started else 1
     finally:
         engine.shutdown()
