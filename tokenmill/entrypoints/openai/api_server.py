@@ -271,6 +271,12 @@ async def run_server(args: Any) -> int:
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}.")
     vllm_names = getattr(args, "metrics_vllm_names", None)
+    # Bad limits fail before the engine starts.
+    protocol = bounded_protocol(getattr(args, "request_header_timeout", DEFAULT_HEADER_TIMEOUT_S),
+                                getattr(args, "limit_concurrency", DEFAULT_LIMIT_CONCURRENCY))
+    body_timeout = float(getattr(args, "request_body_timeout", DEFAULT_BODY_TIMEOUT_S))
+    if not body_timeout > 0:
+        raise ValueError(f"--request-body-timeout must be positive seconds, got {body_timeout}.")
     engine = await AsyncLLM.from_engine_args(engine_args, usage="server")
     try:
         mc = engine.model_config
@@ -278,13 +284,11 @@ async def run_server(args: Any) -> int:
         app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template,
                         api_keys=api_keys,
                         max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
-                        request_body_timeout_s=getattr(args, "request_body_timeout", DEFAULT_BODY_TIMEOUT_S),
+                        request_body_timeout_s=body_timeout,
                         metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
                         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
                         sanitize_control_tokens=bool(getattr(args, "sanitize_control_tokens", False)),
                         **agent_kwargs(args))
-        protocol = bounded_protocol(getattr(args, "request_header_timeout", DEFAULT_HEADER_TIMEOUT_S),
-                                    getattr(args, "limit_concurrency", DEFAULT_LIMIT_CONCURRENCY))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log, http=protocol,
                                 # A backstop only: abort_after_grace ends the streams first.

@@ -133,21 +133,23 @@ class BodyGuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.body_timeout_s is None else loop.time() + self.body_timeout_s
         try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return  # the client left before sending its body
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        await send_json_error(scope, send, 413, too_large)
-                        return
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
+            while True:
+                wait_s = None if deadline is None else max(deadline - loop.time(), 0.0)
+                message = await asyncio.wait_for(receive(), wait_s)
+                if message["type"] == "http.disconnect":
+                    return  # the client left before sending its body
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    await send_json_error(scope, send, 413, too_large)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        except asyncio.TimeoutError:
             await send_json_error(scope, send, 408, f"The request body did not arrive within {self.body_timeout_s:g} s "
                                   "(--request-body-timeout).", close=True)
             return
