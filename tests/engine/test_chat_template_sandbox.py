@@ -77,6 +77,10 @@ HOSTILE = {
                      "{% endfor %}",
     "ljust": "{{ 'x'.ljust(1000000000) }}",
     "center-filter": "{{ 'x' | center(1000000000) }}",
+    "indent-filter": "{{ 'x\\ny' | indent(1000000000) }}",
+    "format-filter": "{{ '%999999999d' | format(1) }}",
+    "replace-filter": "{{ ('a' * 1000000) | replace('a', 'a' * 1000) }}",
+    "join-filter": "{{ range(100) | join('a' * 1000000) }}",
     "printf-width": "{{ '%999999999d' % 1 }}",
     "printf-star": "{{ '%*d' % (999999999, 1) }}",
     "format-width": "{{ '{:>999999999}'.format(1) }}",
@@ -112,6 +116,11 @@ def test_output_is_bounded():
     src = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
     with pytest.raises(ChatTemplateError, match="output"):
         render(src, {})
+
+
+def test_big_numbers_in_ordinary_calls_are_fine():
+    src = "{{ '{}-{}'.format(n, n | string) }}{{ [n] | join(',') }}{{ n | int }}{{ 'ab'.center(5) }}"
+    assert render(src, {"n": 10**12}) == f"{10**12}-{10**12}{10**12}{10**12}" + "ab".center(5)
 
 
 def test_values_just_under_the_cap_still_render():

@@ -134,13 +134,20 @@ def _estimate_binop(op: str, left: Any, right: Any) -> int:
     return 0
 
 
-def _estimate_call(obj: Any, args: tuple[Any, ...]) -> int:
+# str methods and filters whose int arguments are output widths (`'x'.ljust(10**9)`, `x|center(10**9)`).
+_PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+_PADDING_FILTERS = frozenset({"center", "indent", "wordwrap"})
+
+
+def _estimate_call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Size of a str method's result when it can be far above its inputs' sizes."""
     obj = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format / format_map
     owner = getattr(obj, "__self__", None)
     name = getattr(obj, "__name__", "")
     if not isinstance(owner, str):
         return 0
+    if name in _PADDING_METHODS:
+        _check_amplifiers(args, kwargs)
     if name in ("format", "format_map") and _FORMAT_WIDTH.search(owner):
         raise ChatTemplateError("The chat template formats with a width or precision that is too large.")
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
@@ -174,19 +181,33 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's signature
         _charge(ITERATION_COST)
         if __obj is not _count and __obj is not _concat:
-            _check_amplifiers(args, kwargs)
-            if _estimate_call(__obj, args) > MAX_VALUE_CHARS:
+            if _estimate_call(__obj, args, kwargs) > MAX_VALUE_CHARS:
                 raise ChatTemplateError(f"The chat template's call would build a value above {MAX_VALUE_CHARS} "
                                         "characters.")
         result = super().call(__context, __obj, *args, **kwargs)
         return result if __obj is _count else _check_size(result)
 
 
-def _bounded_filter(fn: Any) -> Any:
-    @functools.wraps(fn)
+def _bounded_filter(name: str, fn: Any) -> Any:
+    """`fn` charging the budget, refusing huge padding widths / format widths first, and checking its result."""
+    first = 2 if getattr(fn, "jinja_pass_arg", None) is not None else 1  # pass_context & co. get an extra first arg
+
+    @functools.wraps(fn)  # keeps `jinja_pass_arg`
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _charge(ITERATION_COST)
-        _check_amplifiers(args[1:], kwargs)  # args[0] may be the environment/context for pass_* filters
+        if name in _PADDING_FILTERS:
+            _check_amplifiers(args[first:], kwargs)
+        elif name == "format" and len(args) >= first and isinstance(args[first - 1], str) \
+                and _PRINTF_WIDTH.search(args[first - 1]):
+            raise ChatTemplateError("The chat template formats with a width or precision that is too large.")
+        elif name in ("replace", "join") and len(args) >= first:
+            value, rest = args[first - 1], args[first:]
+            size = (_estimate_call(str(value).replace, rest, {}) if name == "replace" and isinstance(value, str)
+                    else _estimate_call(str(rest[0] if rest else kwargs.get("d", "")).join, (list(value),), {})
+                    if name == "join" and isinstance(value, (list, tuple)) else 0)
+            if size > MAX_VALUE_CHARS:
+                raise ChatTemplateError(f"The chat template's `{name}` filter would build a value above "
+                                        f"{MAX_VALUE_CHARS} characters.")
         return _check_size(fn(*args, **kwargs))
 
     return wrapper
@@ -246,8 +267,8 @@ def compile_template(source: str) -> jinja2.Template:
         ChatTemplateError: a syntax error (HTTP 400).
     """
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters = {name: _bounded_filter(fn) for name, fn in env.filters.items()}
-    env.filters["tojson"] = _bounded_filter(_tojson)
+    env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
+    env.filters["tojson"] = _bounded_filter("tojson", _tojson)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=lambda *a, **k: dict(*a, **k))
     env.globals[_COUNT] = _count
