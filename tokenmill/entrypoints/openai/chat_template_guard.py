@@ -14,7 +14,8 @@ is the same thing, as in vLLM). The rules:
 Every template renders in the bounded sandbox (engine/chat_template_sandbox.py).
 No other request field reaches a file, a module import or an environment
 lookup: tool and reasoning parsers are chosen by server flags from a fixed
-registry, grammars and JSON schemas are compiled in memory.
+registry, grammars and JSON schemas are compiled in memory (xgrammar does not
+fetch a non-local `$ref`; it matches any value there).
 """
 
 from __future__ import annotations
