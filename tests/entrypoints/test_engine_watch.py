@@ -45,3 +45,4 @@ def test_a_stopping_server_ends_the_watch_without_blaming_the_engine():
 def test_error_messages_say_what_happened():
     assert EngineDeadError("gone").user_message() == "The engine is not running: gone"
     assert ServerShuttingDownError("The server is shutting down.").user_message() == "The server is shutting down."
+

@@ -99,7 +99,8 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_body_timeout_s: float | None = None,
               metrics_vllm_names: bool = False,
               max_n: int | None = None, trust_request_chat_template: bool = False,
-              sanitize_control_tokens: bool = False, **agent_kwargs: Any) -> FastAPI:
+              sanitize_control_tokens: bool = False, disable_fastapi_docs: bool = False,
+              **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
 
     Args:
@@ -116,12 +117,15 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         metrics_vllm_names: also export /metrics under the `vllm:` prefix.
         max_n: largest `n` (default: the engine's max_num_seqs).
         trust_request_chat_template, sanitize_control_tokens: chat_template_guard.ChatTemplatePolicy.
+        disable_fastapi_docs: no /openapi.json, /docs, /redoc (vLLM's flag).
         agent_kwargs: enable_auto_tool_choice, tool_call_parser, reasoning_parser
             (see tool_parsers/agents.py).
     """
     from tokenmill.entrypoints.ollama.routes import build_ollama_router
 
-    app = FastAPI(title="tokenmill", version=get_version())
+    docs_off: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None} \
+        if disable_fastapi_docs else {}
+    app = FastAPI(title="tokenmill", version=get_version(), **docs_off)
     install_error_handlers(app)
     # add_middleware puts the last one outermost.
     app.add_middleware(UnexpectedErrorMiddleware)
@@ -219,6 +223,9 @@ def add_server_cli_args(group: Any) -> None:
                             "(default 10).")
     add_chat_template_cli_args(group)
     add_limit_cli_args(group)
+    group.add_argument("--disable-fastapi-docs", action="store_true", default=False,
+                       help="Do not serve the OpenAPI schema and its UIs (/openapi.json, /docs, /redoc), which are "
+                            "open routes otherwise.")
 
 
 def _graceful_server(config: Any) -> Any:
@@ -288,6 +295,7 @@ async def run_server(args: Any) -> int:
                         metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
                         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
                         sanitize_control_tokens=bool(getattr(args, "sanitize_control_tokens", False)),
+                        disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
                         **agent_kwargs(args))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, access_log=not args.disable_uvicorn_access_log, http=protocol,
