@@ -108,6 +108,15 @@ class ServerProcess:
             time.sleep(0.3)
         raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}")
 
+    def engine_core_pids(self) -> list[int]:
+        """The server's multiprocessing-spawned children (the engine core), from /proc."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+        return pids
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -109,10 +109,12 @@ def test_add_special_tokens_false_tokenizes_without_them(call, fake_engine):
 def test_chat_template_fields(call, fake_engine):
     docs = [{"title": "t", "text": "body"}]
     _ok(call, CHAT, {"messages": MSGS, "max_tokens": 1, "documents": docs, "chat_template_kwargs": {"x": 1}})
-    assert fake_engine.template_kwargs == {"add_generation_prompt": True, "documents": docs, "x": 1}
+    assert fake_engine.template_kwargs == {"add_generation_prompt": True, "documents": docs, "x": 1,
+                                           "sanitize_control_tokens": False}
     _ok(call, CHAT, {"messages": MSGS + [{"role": "assistant", "content": "so"}], "max_tokens": 1,
                      "continue_final_message": True, "add_generation_prompt": False})
-    assert fake_engine.template_kwargs == {"add_generation_prompt": False, "continue_final_message": True}
+    assert fake_engine.template_kwargs == {"add_generation_prompt": False, "continue_final_message": True,
+                                           "sanitize_control_tokens": False}
     msg = _error(call, CHAT, {"messages": MSGS, "continue_final_message": True, "add_generation_prompt": True})
     assert "continue_final_message" in msg
 

@@ -87,7 +87,8 @@ def _server_view(argv: list[str]) -> Any:
     engine.model_config = _ModelConfig()
     app = build_openai_app(engine, ["m"], args, opts)
     middleware = [(m.cls.__name__, sorted((k, repr(v)) for k, v in m.kwargs.items())) for m in app.user_middleware]
-    return {"options": opts, "uvicorn": opts.uvicorn_kwargs(), "middleware": middleware, "docs": app.docs_url}
+    return {"options": opts, "uvicorn": opts.uvicorn_kwargs(), "middleware": middleware, "docs": app.docs_url,
+            "template_policy": app.state.template_policy}
 
 
 IMPLEMENTED = [f for f in FLAGS if f.status == "implemented"]

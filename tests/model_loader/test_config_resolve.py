@@ -33,7 +33,7 @@ def test_cpu_defaults(tiny_folder):
     assert m.served_model_name == tiny_folder
     assert m.generation_config == {"temperature": 0.6, "top_p": 0.9}
     assert (cfg.scheduler_config.max_num_batched_tokens, cfg.scheduler_config.max_num_seqs) == (4096, 256)
-    assert cfg.cache_config.kv_cache_memory_bytes == 4 * 1024**3
+    assert cfg.cache_config.kv_cache_memory_bytes is None  # the worker sizes it from free memory (platforms/memory.py)
     assert cfg.device_config.device == "cpu"
     server = _resolve(tiny_folder, usage="server")
     assert (server.scheduler_config.max_num_batched_tokens, server.scheduler_config.max_num_seqs) == (2048, 128)

@@ -12,7 +12,6 @@ plain data and `EngineArgs` for callers above them, never `resolve`.
 
 from tokenmill.config.args import EngineArgs
 from tokenmill.config.configs import (
-    CPU_KV_CACHE_BYTES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -24,7 +23,6 @@ from tokenmill.config.configs import (
 )
 
 __all__ = [
-    "CPU_KV_CACHE_BYTES",
     "CacheConfig",
     "DeviceConfig",
     "EngineArgs",

@@ -98,7 +98,9 @@ class EngineArgs:
         g = parser.add_argument_group("cache")
         g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
         g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
-                       help="KV cache size, e.g. 4G (CPU default 4 GiB; on GPU overrides --gpu-memory-utilization).")
+                       help="KV cache size, e.g. 4G (CPU default: 0.4 x the memory available after loading the "
+                            "weights, cgroup limit included, at most 16 GiB; on GPU overrides "
+                            "--gpu-memory-utilization).")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="Fix the number of KV blocks (any device; for tests).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache).")

@@ -71,14 +71,11 @@ class ModelConfig:
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # explicit KV size (CPU default 4 GiB)
+    kv_cache_memory_bytes: int | None = None  # explicit KV size (CPU default: from free memory, platforms/memory.py)
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks: int = 0  # filled after memory profiling
-
-
-CPU_KV_CACHE_BYTES = 4 * 1024**3  # the CPU default of --kv-cache-memory-bytes
 
 
 def kv_memory_hint(cache_config: CacheConfig, device: str) -> str:
@@ -90,8 +87,9 @@ def kv_memory_hint(cache_config: CacheConfig, device: str) -> str:
     if cc.num_gpu_blocks_override is not None:
         return f"raise --num-gpu-blocks-override (now {cc.num_gpu_blocks_override})"
     if cc.kv_cache_memory_bytes is not None or device != "cuda":
-        now = cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else CPU_KV_CACHE_BYTES
-        return f"raise --kv-cache-memory-bytes (now {now / 2**30:.2f} GiB)"
+        if cc.kv_cache_memory_bytes is None:
+            return "set --kv-cache-memory-bytes (the default is a share of the free memory)"
+        return f"raise --kv-cache-memory-bytes (now {cc.kv_cache_memory_bytes / 2**30:.2f} GiB)"
     return (f"raise --gpu-memory-utilization (now {cc.gpu_memory_utilization}), or lower "
             "--max-num-batched-tokens or --max-num-seqs (less activation memory)")
 

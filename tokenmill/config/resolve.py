@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.config.configs import (
-    CPU_KV_CACHE_BYTES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -262,9 +261,8 @@ def _resolve_generation_config(setting: str, source: ModelSource) -> dict[str, A
 
 
 def _resolve_cache_config(args: EngineArgs, platform: Platform) -> CacheConfig:
+    # None on CPU: the worker sizes it from the memory left after the weights (platforms/memory.py).
     kv_bytes = parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes is not None else None
-    if kv_bytes is None and platform.device_type == "cpu":
-        kv_bytes = CPU_KV_CACHE_BYTES
     if kv_bytes is not None and kv_bytes <= 0:
         raise ValueError(f"--kv-cache-memory-bytes must be positive, got {args.kv_cache_memory_bytes}.")
     return CacheConfig(

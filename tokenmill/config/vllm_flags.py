@@ -133,6 +133,16 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--api-key", "Bearer key(s) required on the API routes (default env TOKENMILL_API_KEY, else VLLM_API_KEY).",
        ("--api-key", "k")),
     _i("--max-request-body-bytes", "Larger bodies get 413 (tokenmill's own).", ("--max-request-body-bytes", "1000")),
+    _i("--request-header-timeout", "Seconds a connection may take to send a request's headers; then 408 and "
+       "close (tokenmill's own; default 10).", ("--request-header-timeout", "2.5")),
+    _i("--request-body-timeout", "Seconds a request may take to send its body; then 408 (tokenmill's own; "
+       "default 30).", ("--request-body-timeout", "5")),
+    _i("--limit-concurrency", "Most open connections / requests in flight; past it a JSON 503 (default 1024).",
+       ("--limit-concurrency", "8")),
+    _i("--trust-request-chat-template", "Lets requests carry chat_template text (never a path); off: such "
+       "requests get 400.", ("--trust-request-chat-template",)),
+    _i("--sanitize-control-tokens", "Renders user-supplied text with special tokens escaped (tokenmill's own; "
+       "off by default, as vLLM).", ("--sanitize-control-tokens",)),
     _i("--metrics-vllm-names", "Also export /metrics under the vllm: prefix (tokenmill's own).",
        ("--metrics-vllm-names",)),
     _i("--shutdown-timeout", "Seconds in-flight requests get on SIGTERM (tokenmill's own).",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.messages import EngineCoreOutputs, MessageKind, SchedulerStats
-from tokenmill.frontend.core_client import EngineCoreClient, EngineDeadError
+from tokenmill.frontend.core_client import EngineCoreClient, EngineDeadError, ServerShuttingDownError
 from tokenmill.frontend.input_processor import get_prompt_text
 from tokenmill.frontend.parallel_sampling import make_child_requests
 from tokenmill.outputs import RequestOutput
@@ -130,8 +130,13 @@ class AsyncLLM:
         return self.scheduler_stats
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+                            add_generation_prompt: bool = True, sanitize_control_tokens: bool = False,
+                            **kwargs: Any) -> list[int]:
         """Render chat messages with the model's template and tokenize them.
+
+        `chat_template` is Jinja text and is never opened as a file (it may
+        come from a request); None: `--chat-template` (a file or text), else
+        the tokenizer's. Rendering is sandboxed and bounded (chat_template_sandbox.py).
 
         Returns:
             Prompt token ids (the template wrote any BOS; none is added).
@@ -139,12 +144,12 @@ class AsyncLLM:
         Raises:
             ValueError: no template, or the template rejects the messages.
         """
-        from tokenmill.frontend.chat_template import apply_chat_template
+        from tokenmill.frontend.chat_template import resolve_chat_template
+        from tokenmill.frontend.chat_template_sandbox import chat_prompt_ids
 
-        template = chat_template if chat_template is not None else self.model_config.chat_template
-        text = apply_chat_template(self.tokenizer, messages, chat_template=template,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        template = chat_template if chat_template is not None else resolve_chat_template(self.model_config.chat_template)
+        return chat_prompt_ids(self.tokenizer, template, messages, add_generation_prompt=add_generation_prompt,
+                               sanitize_control_tokens=sanitize_control_tokens, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     sampling_params: SamplingParams, priority: int = 0,
@@ -233,14 +238,14 @@ class AsyncLLM:
     def abort_all(self, reason: str = "The server is shutting down; the request was aborted.") -> int:
         """Abort every request in flight (shutdown after its grace period). Returns how many.
 
-        Their consumers get `EngineDeadError(reason)` (HTTP 503, or an error
-        event in a stream) instead of waiting forever.
+        Their consumers get `ServerShuttingDownError(reason)` (HTTP 503, or an
+        error event in a stream) instead of waiting forever.
         """
         queues = {id(q): q for q in self._queues.values()}
         ids = list(self._queues)
         self.abort_requests(ids)
         for queue in queues.values():
-            queue.put_nowait(EngineDeadError(reason))
+            queue.put_nowait(ServerShuttingDownError(reason))
         return len(ids)
 
     @property

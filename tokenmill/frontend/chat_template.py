@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenmill.frontend.chat_template_sandbox import chat_template_text, render_chat
+
 
 def resolve_chat_template(template: str | None) -> str | None:
     """A chat template given as a file path or as inline Jinja text -> the text.
@@ -32,7 +34,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
     Args:
         tokenizer: a transformers tokenizer.
         messages: OpenAI-style `[{"role": ..., "content": ...}, ...]`.
-        chat_template: a file path or Jinja text that replaces the tokenizer's template.
+        chat_template: a file path or Jinja text that replaces the tokenizer's template
+            (an operator's value: the server renders request templates with
+            `chat_template_sandbox.chat_prompt_ids`, which never opens a file).
         add_generation_prompt: end with the assistant turn's opening.
         **kwargs: extra template variables (`chat_template_kwargs`, `tools`, ...).
 
@@ -42,20 +46,10 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
 
     Raises:
         ValueError: no template is given and the tokenizer has none, or the
-            template fails to render.
+            template fails to render or exceeds its bounds (`ChatTemplateError`,
+            see chat_template_sandbox.py, where every template renders).
     """
     if tokenizer is None:
         raise ValueError("Chat needs a tokenizer; the engine was started with skip_tokenizer_init.")
-    template = resolve_chat_template(chat_template)
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("This tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
-                         "pass one with --chat-template (a file or Jinja text) or use plain completions.")
-    try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
-    except Exception as e:  # jinja2 errors (TemplateError, raise_exception in templates) are user errors
-        if type(e).__module__.startswith("jinja2") or isinstance(e, (ValueError, TypeError, KeyError)):
-            raise ValueError(f"The chat template could not render these messages: {e}") from e
-        raise
-    assert isinstance(text, str)
-    return text
+    template = chat_template_text(tokenizer, resolve_chat_template(chat_template), kwargs.get("tools"))
+    return render_chat(tokenizer, template, messages, add_generation_prompt=add_generation_prompt, **kwargs)

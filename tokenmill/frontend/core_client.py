@@ -48,6 +48,17 @@ class EngineStartupError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The engine-core process has died; no request can be served."""
 
+    def user_message(self) -> str:
+        """The sentence a client sees (HTTP 503)."""
+        return f"The engine is not running: {self}"
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """A request aborted because the server is shutting down (its grace period ran out); HTTP 503."""
+
+    def user_message(self) -> str:
+        return str(self)
+
 
 Handler = Callable[[bytes, Any], None]
 

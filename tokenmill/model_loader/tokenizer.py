@@ -25,6 +25,7 @@ from tokenmill import envs
 if TYPE_CHECKING:
     from tokenmill.config.configs import ModelConfig
 
+
 logger = logging.getLogger(__name__)
 
 # Files save_pretrained writes that prove a cached conversion is complete.

@@ -19,11 +19,12 @@ import torch
 
 from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.selector import get_attn_backend
-from tokenmill.config.configs import CPU_KV_CACHE_BYTES, EngineConfig, kv_memory_hint
+from tokenmill.config.configs import EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
 from tokenmill.dtypes import parse_dtype
+from tokenmill.platforms.memory import default_cpu_kv_cache_bytes
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
@@ -75,8 +76,8 @@ class ModelRunner:
     def determine_num_available_blocks(self) -> int:
         """KV blocks this device can hold.
 
-        num_gpu_blocks_override wins; on CPU kv_cache_memory_bytes (default 4 GiB)
-        // bytes_per_block; on CUDA kv_cache_memory_bytes if given, else
+        num_gpu_blocks_override wins; on CPU kv_cache_memory_bytes (default: a
+        share of the memory left after the weights, platforms/memory.py) // bytes_per_block; on CUDA kv_cache_memory_bytes if given, else
         (gpu_memory_utilization * total - peak of a dummy max-size step) // bytes_per_block.
 
         Raises:
@@ -89,7 +90,7 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type != "cuda":
-            budget = CPU_KV_CACHE_BYTES
+            budget = default_cpu_kv_cache_bytes()
         else:
             budget = self._profile_free_cuda_memory()
         num_blocks = int(budget // per_block)

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.entrypoints.ollama.protocol import ChatRequest, GenerateRequest, OllamaOptions, ShowRequest
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.request import structured_outputs_from_fields
@@ -46,9 +47,10 @@ def _now_iso() -> str:
 class OllamaServing:
     """Ollama request handling over an `EngineClient` (see module docstring)."""
 
-    def __init__(self, engine: Any, served_model_names: list[str]) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], template_policy: Any = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.template_policy = template_policy or ChatTemplatePolicy()
         self.defaults: dict[str, Any] = dict(getattr(engine, "default_sampling_kwargs", None) or {})
 
     # -- models ----------------------------------------------------------------
@@ -133,7 +135,7 @@ class OllamaServing:
             return list(tok.encode(req.prompt or ""))
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
             [{"role": "user", "content": req.prompt or ""}]
-        return self.engine.apply_chat_template(messages, add_generation_prompt=True)
+        return self.template_policy.render(self.engine, messages, add_generation_prompt=True)
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         """Prompt token ids of the chat messages (the model's chat template)."""
@@ -143,7 +145,7 @@ class OllamaServing:
             if m.images:
                 raise ValueError(f"messages[{i}].images: images are not supported by this text-only model.")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        return self.engine.apply_chat_template(messages, add_generation_prompt=True)
+        return self.template_policy.render(self.engine, messages, add_generation_prompt=True)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         return self.engine.add_request(f"ollama-{uuid.uuid4().hex}", prompt_ids, params)
@@ -163,7 +165,8 @@ class OllamaServing:
 
 
 def build_ollama_router(engine: Any, served_model_names: list[str],
-                        unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]]) -> APIRouter:
+                        unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]],
+                        template_policy: Any = None) -> APIRouter:
     """The /api/* routes (see module docstring).
 
     Args:
@@ -173,7 +176,7 @@ def build_ollama_router(engine: Any, served_model_names: list[str],
             request when its client goes away.
     """
     router = APIRouter(prefix="/api")
-    serving = OllamaServing(engine, served_model_names)
+    serving = OllamaServing(engine, served_model_names, template_policy)
 
     async def respond(raw_request: Request, model: str, prompt_ids: list[int], params: SamplingParams,
                       stream: bool, piece: Callable[[str], dict[str, Any]]) -> Any:

@@ -14,7 +14,9 @@ Routes (docs/server.md has the details):
     POST /v1/embeddings, ...   501: vLLM routes not built yet (unbuilt_routes.py)
 
 Middleware, outermost first: CORS and --middleware (http_options.py),
-X-Request-Id, API key (auth.py), body size and content type (request_guard.py).
+X-Request-Id, API key (auth.py), body size, content type and JSON sanity
+(request_guard.py), unexpected errors -> 500 without dropping the connection
+(errors.py).
 
 `python -m tokenmill.entrypoints.openai.api_server [MODEL] [flags]` is
 `tokenmill serve` (the module path older vLLM images start).
@@ -37,8 +39,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
-from tokenmill.entrypoints.openai.errors import error_response, install_error_handlers
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy, add_chat_template_cli_args
+from tokenmill.entrypoints.openai.engine_watch import ENGINE_DEAD_EXIT_CODE, EngineWatch
+from tokenmill.entrypoints.openai.errors import UnexpectedErrorMiddleware, error_response, install_error_handlers
 from tokenmill.entrypoints.openai.http_options import HTTPOptions, install_http_options
+from tokenmill.entrypoints.openai.limits import add_limit_cli_args, bounded_protocol
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -118,8 +123,10 @@ def _generation_route(serving: OpenAIServing, request_type: type[BaseModel], nam
 
 def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20,
               chat_template: str | None = None, *, api_keys: list[str] | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_vllm_names: bool = False,
-              max_n: int | None = None, http_options: HTTPOptions | None = None, **agent_kwargs: Any) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_body_timeout_s: float | None = None,
+              metrics_vllm_names: bool = False, max_n: int | None = None, http_options: HTTPOptions | None = None,
+              trust_request_chat_template: bool = False, sanitize_control_tokens: bool = False,
+              **agent_kwargs: Any) -> FastAPI:
     """Create the FastAPI app serving `engine` (an `AsyncLLM` or a test fake).
 
     Args:
@@ -132,9 +139,11 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         chat_template: server-wide chat template override (file or Jinja text).
         api_keys: bearer keys required on protected routes (None/[]: open server).
         max_request_body_bytes: larger bodies get 413.
+        request_body_timeout_s: a body not complete this long after its headers gets 408 (None: no deadline).
         metrics_vllm_names: also export /metrics under the `vllm:` prefix.
         max_n: largest `n` (default: the engine's max_num_seqs).
         http_options: CORS, --middleware, docs routes (default: none of them, docs on).
+        trust_request_chat_template, sanitize_control_tokens: chat_template_guard.ChatTemplatePolicy.
         agent_kwargs: enable_auto_tool_choice, tool_call_parser, reasoning_parser
             (see tool_parsers/agents.py).
     """
@@ -145,15 +154,20 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     app = FastAPI(title="tokenmill", version=get_version(), **http_options.fastapi_kwargs())
     install_error_handlers(app)
     # add_middleware puts the last one outermost.
-    app.add_middleware(BodyGuardMiddleware, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=max_request_body_bytes,
+                       body_timeout_s=request_body_timeout_s)
     app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys or []))
     app.add_middleware(RequestIdMiddleware)
     install_http_options(app, http_options)
     completion = OpenAIServingCompletion(engine, served_model_names, max_logprobs, max_n)
+    policy = ChatTemplatePolicy(trust_request_chat_template, sanitize_control_tokens)
+    app.state.template_policy = policy
     chat = OpenAIServingChat(engine, served_model_names, max_logprobs, max_n, chat_template=chat_template,
-                             **agent_kwargs)
+                             template_policy=policy, **agent_kwargs)
     responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, served_model_names, max_logprobs, max_n)
+    tokenization.template_policy = policy
     metrics = ServerMetrics(served_model_names[0], vllm_names=metrics_vllm_names)
     if hasattr(engine, "stats_observer"):
         engine.stats_observer = metrics
@@ -222,7 +236,7 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
                                   f"last {responses.store.max_stored} created with store=true).", 404)
         return stored.response
 
-    app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected))
+    app.include_router(build_ollama_router(engine, served_model_names, _unless_disconnected, policy))
     app.include_router(build_unbuilt_router())
     return app
 
@@ -243,6 +257,8 @@ def add_server_cli_args(group: Any) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted "
                             "(default 10).")
+    add_chat_template_cli_args(group)
+    add_limit_cli_args(group)
 
 
 def _graceful_server(config: Any) -> Any:
@@ -276,6 +292,8 @@ async def run_server(args: Any, build: Callable[[Any, list[str], Any, HTTPOption
     file or unreadable model path fails (http_options.check_before_start).
     Shutdown: stop accepting connections, give in-flight requests
     `--shutdown-timeout` seconds to finish, abort what is left, stop the core.
+    A dead engine core stops the server too, with exit code
+    ENGINE_DEAD_EXIT_CODE (engine_watch.py).
 
     Args:
         args: the parsed `tokenmill serve` flags.
@@ -305,19 +323,25 @@ async def run_server(args: Any, build: Callable[[Any, list[str], Any, HTTPOption
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 10.0))
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}.")
+    # Bad limits fail before the engine starts.
+    protocol = bounded_protocol(opts.header_timeout_s, opts.limit_concurrency)
+    if not opts.body_timeout_s > 0:
+        raise ValueError(f"--request-body-timeout must be positive seconds, got {opts.body_timeout_s}.")
     engine = await AsyncLLM.from_engine_args(engine_args, usage="server")
     engine.log_requests, engine.max_log_len = opts.log_requests, opts.max_log_len
     try:
         mc = engine.model_config
         names = list(mc.served_model_names) or [mc.served_model_name or mc.model or "default"]
         app = (build or build_openai_app)(engine, names, args, opts)
-        config = uvicorn.Config(app, **opts.uvicorn_kwargs(), timeout_keep_alive=5,
+        config = uvicorn.Config(app, **opts.uvicorn_kwargs(), timeout_keep_alive=5, http=protocol,
                                 # A backstop only: abort_after_grace ends the streams first.
                                 timeout_graceful_shutdown=shutdown_timeout + 2.0)
         server = _graceful_server(config)
         keyed = bool(getattr(app.state, "api_keys", None))
+        engine_watch = EngineWatch(server, engine)
         tasks = [asyncio.ensure_future(_abort_after_grace(server, engine, shutdown_timeout)),
-                 asyncio.ensure_future(_log_when_bound(server, names[0], opts, keyed))]
+                 asyncio.ensure_future(_log_when_bound(server, names[0], opts, keyed)),
+                 asyncio.ensure_future(engine_watch.run())]
         if opts.log_stats:
             tasks.append(asyncio.ensure_future(log_stats_periodically(engine)))
         try:
@@ -326,6 +350,8 @@ async def run_server(args: Any, build: Callable[[Any, list[str], Any, HTTPOption
             for task in tasks:
                 task.cancel()
         engine.abort_all()
+        if engine_watch.engine_died:
+            return ENGINE_DEAD_EXIT_CODE
         return 0 if server.started else 1
     finally:
         engine.shutdown()
@@ -342,8 +368,12 @@ def build_openai_app(engine: Any, names: list[str], args: Any, opts: HTTPOptions
     vllm_names = getattr(args, "metrics_vllm_names", None)
     app = build_app(engine, names, max_logprobs=mc.max_logprobs, chat_template=mc.chat_template, api_keys=api_keys,
                     max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                    request_body_timeout_s=opts.body_timeout_s,
                     metrics_vllm_names=vllm_names if vllm_names is not None else vllm_names_from_env(),
-                    http_options=opts, **agent_kwargs(args))
+                    http_options=opts,
+                    trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+                    sanitize_control_tokens=bool(getattr(args, "sanitize_control_tokens", False)),
+                    **agent_kwargs(args))
     app.state.api_keys = api_keys
     return app
 

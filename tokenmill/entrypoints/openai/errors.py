@@ -11,7 +11,8 @@ Mapping (what a client did -> status):
     body too large / not JSON (request_guard.py)                -> 413 / 415
     engine core process dead (EngineDeadError)                  -> 503
     anything else (a bug)                                       -> 500, logged;
-                                                                   the server keeps serving
+                                                                   the connection and the server keep serving
+                                                                   (UnexpectedErrorMiddleware)
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _respond(request, f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+        return _respond(request, exc.user_message(), HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -111,8 +112,39 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return _respond(request, message, status, err_type="invalid_request_error" if status < 500 else None)
 
-    @app.exception_handler(Exception)
-    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving %s %s", request.method, request.url.path)
-        return _respond(request, f"Internal server error: {type(exc).__name__}: {exc}",
-                              HTTPStatus.INTERNAL_SERVER_ERROR)
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler took (a bug) -> a 500 error body, logged; the connection stays usable.
+
+    Starlette's outermost error middleware answers 500 too, but then re-raises,
+    and uvicorn closes the connection: a client's next request on that
+    kept-alive connection was reset. This pure ASGI middleware (innermost of
+    ours) answers and returns normally. When half a response already went out,
+    only closing the connection can tell the client, so it re-raises.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unexpected error while serving %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            from tokenmill.entrypoints.openai.request_guard import send_json_error
+
+            await send_json_error(scope, send, HTTPStatus.INTERNAL_SERVER_ERROR,
+                                  f"Internal server error: {type(exc).__name__}: {exc}")

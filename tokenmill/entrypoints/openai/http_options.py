@@ -23,6 +23,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.entrypoints.openai.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+)
+
 
 @dataclass(slots=True)
 class CORSOptions:
@@ -48,6 +54,10 @@ class HTTPOptions:
     log_requests: bool = False
     max_log_len: int | None = None  # characters / token ids shown per prompt (None: all)
     log_stats: bool = True  # the periodic stats line
+    # limits.py: request headers / body deadlines (s) and the cap on connections or requests in flight
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `uvicorn.Config` (besides the app and timeouts)."""
@@ -113,6 +123,9 @@ def http_options_from_args(args: Any) -> HTTPOptions:
         cors=cors, middleware=list(get("middleware") or []), docs=not get("disable_fastapi_docs", False),
         log_requests=bool(get("enable_log_requests")) and not get("disable_log_requests"),
         max_log_len=get("max_log_len"), log_stats=not get("disable_log_stats", False),
+        header_timeout_s=float(get("request_header_timeout", DEFAULT_HEADER_TIMEOUT_S)),
+        body_timeout_s=float(get("request_body_timeout", DEFAULT_BODY_TIMEOUT_S)),
+        limit_concurrency=get("limit_concurrency", DEFAULT_LIMIT_CONCURRENCY),
     )
 
 

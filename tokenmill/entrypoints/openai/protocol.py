@@ -277,12 +277,40 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs, None, defaults, prompt_logprobs)
 
 
+class ChatToolCallFunction(OpenAIModel):
+    name: str
+    # OpenAI sends a JSON string; some clients send the object itself.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ChatToolCall(OpenAIModel):
+    """An earlier call in an assistant message (OpenAI's `tool_calls[]`)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ChatToolCallFunction
+
+
+class ChatContentPart(OpenAIModel):
+    """One part of a list `content`; only `text` parts are supported (checked in `message_dicts`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(OpenAIModel):
+    """A message; the fields a template or tool handling reads are typed, others pass through as given."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -326,10 +354,10 @@ class ChatCompletionRequest(_SamplingRequest):
             if isinstance(m.content, list):
                 texts = []
                 for part in m.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if part.type != "text" or part.text is None:
                         raise ValueError(f"messages[{i}].content: only text parts are supported, got type "
-                                         f"{part.get('type')!r}.")
-                    texts.append(part["text"])
+                                         f"{part.type!r}.")
+                    texts.append(part.text)
                 d["content"] = "\n".join(texts)
             elif m.content is None:
                 d["content"] = ""

@@ -12,6 +12,8 @@ does) and returned in the response's `X-Request-Id` header, on errors too.
         (not under /api/: Ollama's clients and docs send JSON as a form)
     Content-Length above max_body_bytes                               -> 413
     a chunked body that grows above max_body_bytes                    -> 413
+    JSON with a lone UTF-16 surrogate or nested absurdly deep         -> 400 (json_body_guard.py)
+    a body still incomplete `body_timeout_s` after the headers        -> 408, connection closed
 
 The body is read here (never more than the limit) and replayed to the app;
 after it, `receive()` is the server's again, so handlers still see
@@ -20,9 +22,12 @@ after it, `receive()` is the server's again, so handlers still see
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
+
+from tokenmill.entrypoints.openai.json_body_guard import JSONBodyError, check_json_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # 4 MiB: far above any prompt that fits a context window
 
@@ -44,15 +49,23 @@ def _valid_request_id(value: bytes | None) -> str | None:
     return text if text.isprintable() and " " not in text else None
 
 
-async def send_json_error(scope: dict[str, Any], send: Any, status: int, message: str) -> None:
-    """An error response in the route's style: OpenAI's body, or Ollama's `{"error": ...}` under /api/."""
+async def send_json_error(scope: dict[str, Any], send: Any, status: int, message: str, param: str | None = None,
+                          close: bool = False) -> None:
+    """An error response in the route's style: OpenAI's body, or Ollama's `{"error": ...}` under /api/.
+
+    `close`: ask the server to close the connection after it (`Connection: close`).
+    """
     if scope.get("path", "").startswith("/api/"):
         body: dict[str, Any] = {"error": message}
     else:
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
+        err_type = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 \
+            else "internal_server_error"
+        body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": raw})
 
 
@@ -86,11 +99,15 @@ class BodyGuardMiddleware:
         max_body_bytes: largest request body accepted, in bytes.
     """
 
-    def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float | None = None,
+                 ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be positive, got {max_body_bytes}.")
+        if body_timeout_s is not None and not body_timeout_s > 0:
+            raise ValueError(f"--request-body-timeout must be positive seconds, got {body_timeout_s}.")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -117,18 +134,31 @@ class BodyGuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await send_json_error(scope, send, 413, too_large)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        loop = asyncio.get_running_loop()
+        deadline = None if self.body_timeout_s is None else loop.time() + self.body_timeout_s
+        try:
+            while True:
+                wait_s = None if deadline is None else max(deadline - loop.time(), 0.0)
+                message = await asyncio.wait_for(receive(), wait_s)
+                if message["type"] == "http.disconnect":
+                    return  # the client left before sending its body
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    await send_json_error(scope, send, 413, too_large)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        except asyncio.TimeoutError:
+            await send_json_error(scope, send, 408, f"The request body did not arrive within {self.body_timeout_s:g} s "
+                                  "(--request-body-timeout).", close=True)
+            return
+        try:
+            check_json_body(b"".join(chunks))
+        except JSONBodyError as e:
+            await send_json_error(scope, send, 400, str(e), e.param)
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy
 from tokenmill.entrypoints.openai.harmony.chat import HarmonyChat, uses_harmony
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
@@ -24,6 +25,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
 )
 from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
 from tokenmill.entrypoints.openai.tool_parsers.chat_output import ChoiceStreamer
+from tokenmill.frontend.chat_template import resolve_chat_template
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -34,9 +36,12 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, *args: Any, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, **kwargs: Any) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 template_policy: ChatTemplatePolicy | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.chat_template = chat_template
+        # The operator's --chat-template (a file or text), read once; request templates are text only.
+        self.chat_template = resolve_chat_template(chat_template)
+        self.template_policy = template_policy or ChatTemplatePolicy()
         # Tool calling and reasoning (tool_parsers/, reasoning/): names checked at start-up.
         self.agents = ChatAgentConfig(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
         # gpt-oss (or --tool-call-parser openai / --reasoning-parser openai_gptoss): harmony instead of the template.
@@ -56,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params)
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
-        kwargs = dict(req.chat_template_kwargs or {})
+        template, kwargs = self.template_policy.request_template(req.chat_template, req.chat_template_kwargs)
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         if req.documents is not None:
@@ -67,8 +72,9 @@ class OpenAIServingChat(OpenAIServing):
             prompt_ids = self.harmony.prepare(req, messages, params)
         else:
             prompt_ids = self.agents.prepare(
-                self.engine, req, messages, params, chat_template=req.chat_template or self.chat_template,
-                add_generation_prompt=add_generation_prompt, **kwargs)
+                self.engine, req, messages, params, chat_template=template or self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                sanitize_control_tokens=self.template_policy.sanitize_control_tokens, **kwargs)
         if req.add_special_tokens:
             prompt_ids = self._with_special_tokens(prompt_ids)
         response_id = self.response_id("chatcmpl", req.request_id, raw_request)
@@ -106,9 +112,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState, comp: CompletionOutput,
                       streamer: ChoiceStreamer) -> list[dict[str, Any]]:
-        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last."""
+        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last.
+
+        New token ids make a chunk even when they add no text (delta `{}`), so
+        the stream carries exactly one logprob entry per generated token.
+        """
         if choice.finished:
             return []
+        new_tokens = len(comp.token_ids) > choice.num_tokens
         logprobs = None
         if req.logprobs:
             new = (comp.logprobs or [])[choice.num_logprobs:]
@@ -120,7 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
-        if not (deltas or finish):
+        if not (deltas or finish or new_tokens):
             return []
         deltas = deltas or [{}]
         out = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None, "stop_reason": None}

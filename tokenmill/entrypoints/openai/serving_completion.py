@@ -78,9 +78,15 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _delta_choice(self, req: CompletionRequest, sub: Submission, choice: ChoiceState,
                       comp: CompletionOutput) -> dict[str, Any] | None:
-        """The new part of one choice as a chunk choice, or None when nothing changed."""
+        """The new part of one choice as a chunk choice, or None when nothing changed.
+
+        New token ids make a chunk even when they add no text (a skipped special
+        token, the first bytes of a multi-byte character held back), so the
+        stream carries exactly one logprob entry per generated token.
+        """
         if choice.finished:
             return None
+        new_tokens = len(comp.token_ids) > choice.num_tokens
         prefix = ""
         first = choice.num_text_chars == 0 and choice.num_tokens == 0 and choice.num_logprobs == 0
         if req.echo and first:
@@ -100,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choice.num_text_chars = len(comp.text)
         choice.num_tokens = len(comp.token_ids)
         choice.finished = finish is not None
-        if not (prefix or delta or finish):
+        if not (prefix or delta or finish or new_tokens):
             return None
         return {"index": choice.index, "text": prefix + delta, "logprobs": logprobs,
                 "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}

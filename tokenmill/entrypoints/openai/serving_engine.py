@@ -353,7 +353,7 @@ def stream_error_body(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ValueError):
         return error_body(str(exc), 400)
     if isinstance(exc, EngineDeadError):
-        return error_body(f"The engine is not running: {exc}", 503)
+        return error_body(exc.user_message(), 503)
     logger.error("unexpected error in a stream", exc_info=exc)
     return error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 

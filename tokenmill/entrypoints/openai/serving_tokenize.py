@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
+from tokenmill.entrypoints.openai.chat_template_guard import ChatTemplatePolicy
 from tokenmill.entrypoints.openai.protocol import ChatMessage, OpenAIModel
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
 
@@ -27,6 +28,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -50,6 +52,9 @@ class DetokenizeResponse(OpenAIModel):
 class OpenAIServingTokenization(OpenAIServing):
     """Handler for /tokenize and /detokenize (no engine request is made)."""
 
+    # The server's chat-template rules (api_server sets it from its flags).
+    template_policy = ChatTemplatePolicy()
+
     def _tokenizer(self) -> Any:
         tok = self.engine.tokenizer
         if tok is None:
@@ -71,12 +76,12 @@ class OpenAIServingTokenization(OpenAIServing):
             raise ValueError("Give exactly one of `prompt` (text) or `messages` (chat) to tokenize.")
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages)
-            kwargs = dict(req.chat_template_kwargs or {})
+            template, kwargs = self.template_policy.request_template(req.chat_template, req.chat_template_kwargs)
             if req.continue_final_message:
                 kwargs["continue_final_message"] = True
-            ids = self.engine.apply_chat_template(
-                chat.message_dicts(), add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                **kwargs)
+            ids = self.template_policy.render(
+                self.engine, chat.message_dicts(), chat_template=template,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs)
         else:
             ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs and hasattr(tok, "convert_ids_to_tokens") \
