@@ -128,12 +128,12 @@ PYEOF
 uid=$(docker exec tm-image-test id -u); user=$(docker exec tm-image-test id -un)
 echo "process user: $user (uid $uid)"
 [ "$uid" != 0 ] || fail "the server runs as root"
-if docker run --rm --entrypoint python3 "$CPU_IMAGE" -c \
-        "import runpy, sys; sys.argv=['api_server', '--help']; runpy.run_module('tokenmill.entrypoints.openai.api_server', run_name='__main__')" \
+if docker run --rm --entrypoint python3 "$CPU_IMAGE" -m tokenmill.entrypoints.openai.api_server --help \
         >"$WORK/api_server-help.txt" 2>&1 && grep -q -- "--port" "$WORK/api_server-help.txt"; then
-    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server: --help lists the server flags"
+    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server --help: lists the server flags"
 else
-    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server: NOT AVAILABLE in this checkout ($(tail -1 "$WORK/api_server-help.txt"))"
+    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server: NOT AVAILABLE in this checkout" \
+        "(the module has no __main__ yet: $(wc -l <"$WORK/api_server-help.txt") lines of output)"
 fi
 start=$SECONDS
 docker stop -t 60 tm-image-test >/dev/null
