@@ -170,9 +170,9 @@ def test_dashboard_and_autoscaling_queries_under_a_burst(server, tmp_path):
               f"every 2 s: {samples}")
         assert max(s or 0 for s in samples) > 0
         # Every expression returns data, evaluated when the burst has just ended (rates cover it).
+        poll("Prometheus saw every request finish", lambda: prom.scalar(
+            'sum(tokenmill:request_success_total{finished_reason="length"})') == BURST, 30)
         at = time.time()
-        poll("the last scrape after the burst", lambda: prom.scalar(
-            f'sum(tokenmill:request_success_total{{finished_reason="length"}})', at) == BURST, 30)
         exprs = dashboard_exprs("tokenmill") | dashboard_exprs("vllm") | autoscaling_exprs()
         empty = {}
         for name, expr in exprs.items():
