@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLM`.
 
 Routes (docs/server.md has the details):
-    GET  /health, /ping        200 while the engine core runs, else 503
+    GET  /health, /ping        200 while the engine core runs, else 503 (liveness)
+    GET  /ready                200 once the engine has answered a request and runs (readiness.py)
     GET  /metrics              Prometheus text (metrics.py; vLLM's names)
     GET  /version
     GET  /v1/models            the served model name(s)
@@ -48,11 +49,13 @@ from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
+from tokenmill.entrypoints.openai.readiness import readiness_route
 from tokenmill.entrypoints.openai.request_guard import (
     DEFAULT_MAX_BODY_BYTES,
     BodyGuardMiddleware,
     RequestIdMiddleware,
 )
+from tokenmill.entrypoints.openai.response_counter import ResponseCounterMiddleware
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
@@ -173,6 +176,8 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
         engine.stats_observer = metrics
     app.state.engine = engine
     app.state.metrics = metrics
+    app.add_middleware(ResponseCounterMiddleware, metrics=metrics)  # outermost: counts 401s and 413s too
+    app.add_api_route("/ready", readiness_route(engine), methods=["GET"])
 
     @app.get("/health")
     async def health() -> Any:

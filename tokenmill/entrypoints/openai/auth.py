@@ -8,7 +8,7 @@ open.
 With a key, every route needs `Authorization: Bearer <key>` except the ones
 monitoring and discovery tools call without credentials:
 
-    open:       /health, /metrics, /version, /ping, /api/version, /openapi.json, /docs, /redoc
+    open:       /health, /ready, /metrics, /version, /ping, /api/version, /openapi.json, /docs, /redoc
     protected:  everything else: /v1/*, /tokenize, /detokenize, /stats, /api/* (Ollama)
 
 Protecting by default means a route added later is never left open by
@@ -26,8 +26,8 @@ from typing import Any
 
 from tokenmill import envs
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/api/version", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/ping", "/api/version", "/openapi.json",
+                        "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 def resolve_api_keys(flag_keys: list[str] | None, environ: dict[str, str] | None = None) -> list[str]:

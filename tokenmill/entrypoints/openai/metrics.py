@@ -84,6 +84,10 @@ class _MetricSet:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival -> finish, per request.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival -> first scheduled, per request.",
                                _LATENCY_BUCKETS)
+        # Exported as <prefix>http_responses_total{model_name, status="200"|"429"|...}.
+        self.http_responses = Counter(p + "http_responses", "HTTP responses sent, by status code.",
+                                      ["model_name", "status"], registry=registry)
+        self.model_name = model_name
 
 
 class ServerMetrics:
@@ -107,6 +111,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     # -- feeding ---------------------------------------------------------------
+
+    def observe_http_response(self, status: int) -> None:
+        """Count one HTTP response with status code `status` (every route, /metrics included)."""
+        for s in self._sets:
+            s.http_responses.labels(s.model_name, str(status)).inc()
 
     def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Set the gauges; turn the cumulative counters into increments.
