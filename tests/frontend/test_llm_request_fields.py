@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # builds the real SmolLM2 twice

@@ -134,6 +134,8 @@ def test_engine_greedy_matches_transformers(family):
 class _FakeGpu:
     """A platform whose `auto` dtype is float16 (as a GPU of compute capability < 8.0)."""
 
+    device_type = "cuda"
+
     def __init__(self, bf16: bool):
         self.bf16 = bf16
 
