@@ -167,8 +167,11 @@ class SamplingState:
             if num_out[i] < self.min_tokens[r]:
                 ids = [t for t in _min_tokens_ids(p) if t < self.vocab_size]
             if p.bad_words_token_ids:
-                start = int(num_prompt_tokens[r])
-                out_ids = token_ids[r, start : start + int(num_out[i])].tolist()
+                # Only the last (longest bad word - 1) generated tokens can match a prefix: read those, not the
+                # whole output, each step.
+                end = int(num_prompt_tokens[r]) + int(num_out[i])
+                keep = max(len(seq) for seq in p.bad_words_token_ids) - 1
+                out_ids = token_ids[r, max(int(num_prompt_tokens[r]), end - keep) : end].tolist()
                 ids += bad_word_masked_ids(p.bad_words_token_ids, out_ids)
             stop_rows += [i] * len(ids)
             stop_ids += ids
