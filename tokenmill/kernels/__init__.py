@@ -13,6 +13,11 @@ Entry points (layers and attention backends call these, never a kernel module):
     reshape_and_cache    triton/reshape_and_cache.py        -
     paged_attention      triton/paged_attention.py          -
     fused_experts        triton/fused_moe.py                -
+    quant_linear         triton/quant_linear.py             - (weights dequantized at load)
+    dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
+    fused_experts_quant  triton/fused_moe_quant.py          -
+
+int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
     CPU decode attention -                                  cpu/decode.py (`kernels.cpu.decode`)
 
 The elementwise entry points return None where no kernel takes the inputs
@@ -40,6 +45,7 @@ import torch
 
 from tokenmill import envs
 from tokenmill.kernels.cpu import elementwise as _cpu
+from tokenmill.kernels.quant_pack import QuantTensors, dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +176,33 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     from tokenmill.kernels.triton.fused_moe import fused_experts_triton
 
     return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w)^T (+ bias) for int4/int8 weight-only `w` (`quant_pack` layout), CUDA.
+
+    x [M, K] float16 / bfloat16 / float32 -> [M, N] in x's dtype. Picks split-K Triton for small M, a
+    tiled Triton GEMM for medium M, dequantize-then-cuBLAS for large M (and for M > small on cc < 8.0,
+    where `tl.dot` has no tensor cores): `kernels.triton.quant_linear.quant_linear`.
+    """
+    from tokenmill.kernels.triton.quant_linear import quant_linear as triton_quant_linear
+
+    return triton_quant_linear(x, w, bias)
+
+
+def dequantize_weight(w: QuantTensors, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [(E,) N, K] weight of `w` in `dtype`: Triton on CUDA, `quant_pack.dequantize` elsewhere."""
+    if w.qweight.is_cuda:
+        from tokenmill.kernels.triton.quant_linear import dequantize_weight as triton_dequantize
+
+        return triton_dequantize(w, dtype)
+    return dequantize(w.qweight, w.scales, w.qzeros, w.g_idx, w.bits, w.group_size, w.in_features, dtype)
+
+
+def fused_experts_quant(hidden_states: torch.Tensor, w13: QuantTensors, w2: QuantTensors,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """`fused_experts` with int4/int8 expert weights (`quant_pack` layout, leading expert dim), CUDA:
+    hidden [T, H], w13 [E, 2I, H] logical, w2 [E, H, I] logical, topk [T, k] -> [T, H]."""
+    from tokenmill.kernels.triton.fused_moe_quant import fused_experts_quant_triton
+
+    return fused_experts_quant_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
