@@ -18,6 +18,11 @@
 #   moe      offline_bench.py --part offline --config qwen3-30b-a3b.json --hf-prompts 0
 #   prefix   prefix_cache_bench.py, 200 requests, Llama-3.1-8B config
 #   tp       tp_bench.py (TP=1 vs TP=2; two GPUs)
+#   quantk   quant_gemm.py: int4/int8 kernels vs bf16 at Llama-3.1-8B / Qwen3-30B-A3B shapes
+#   qtpot-awq, qtpot-gptq, qoffline-awq, qoffline-gptq   tpot / offline with the W4A16 configs
+#            (benchmarks/configs/llama-3.1-8b-{awq,gptq}.json: dummy 4-bit weights, group 128)
+#   qmoe     offline, Qwen3-30B-A3B GPTQ-Int4 config
+#   qcc70, qtpot-cc70   the AWQ config on the cc-7.0 path (fp16)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -43,6 +48,13 @@ for spec in "$@"; do
     moe)     cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/moe.json" ;;
     prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 8 --output-len 32 --json-out $OUT/prefix.json" ;;
     tp)      cmd="python benchmarks/gpu/tp_bench.py --json-out $OUT/tp.json" ;;
+    quantk)  cmd="python benchmarks/gpu/quant_gemm.py" ;;
+    qtpot-awq|qtpot-gptq|qoffline-awq|qoffline-gptq)
+             m=${part#*-}; p=${part%-*}; p=${p#q}
+             cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    qmoe)    cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b-gptq-int4.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qmoe.json" ;;
+    qcc70)   cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70.json" ;;
+    qtpot-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --git-commit $COMMIT --json-out $OUT/qtpot-cc70.json" ;;
     *) echo "unknown part $part"; continue ;;
   esac
   echo "=== $part: $cmd"
