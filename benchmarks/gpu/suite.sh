@@ -43,7 +43,7 @@ for spec in "$@"; do
     gputests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu tests/kernels" ;;
     tpot)    cmd="python benchmarks/gpu/offline_bench.py --part tpot --git-commit $COMMIT --json-out $OUT/tpot.json" ;;
     short)   cmd="python benchmarks/gpu/offline_bench.py --part short --git-commit $COMMIT --json-out $OUT/short.json" ;;
-    offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --git-commit $COMMIT --json-out $OUT/offline.json" ;;
+    offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/offline.json" ;;
     cc70)    cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --git-commit $COMMIT --json-out $OUT/cc70.json" ;;
     moe)     cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/moe.json" ;;
     prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 8 --output-len 32 --json-out $OUT/prefix.json" ;;
