@@ -13,7 +13,7 @@
 #   tests    GPU tests (tests/gpu, CUDA kernel tests) via benchmarks/gpu/run_gpu_tests.sh if present
 #   tpot     offline_bench.py --part tpot   (Llama-3.1-8B config, dummy weights, bf16)
 #   short    offline_bench.py --part short  (256 x 128 in / 128 out, both engines)
-#   offline  offline_bench.py --part offline (1000 prompts, HF baseline on 200)
+#   offline  offline_bench.py --part offline --hf-prompts 0 (1000 prompts; no transformers baseline)
 #   cc70     offline_bench.py --part offline --force-cc70 (fp16, V100 code paths)
 #   moe      offline_bench.py --part offline --config qwen3-30b-a3b.json --hf-prompts 0
 #   prefix   prefix_cache_bench.py, 200 requests, Llama-3.1-8B config
