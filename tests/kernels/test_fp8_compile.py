@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import json
+    import re
     import triton
     from triton.backends.compiler import GPUTarget
     from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_splitk_reduce_kernel, fp8_dequantize_kernel
@@ -35,12 +36,24 @@ SCRIPT = textwrap.dedent(
         sig.update({name: "constexpr" for name in constexprs})
         return sig
 
+    # What Triton's launcher specializes at run time for contiguous, 16-byte aligned tensors (the usual case):
+    # pointers and leading dims divisible by 16, unit strides as constants. Without it no load is vectorized
+    # and the K loop is not pipelined, so the shared-memory check below would not see the real footprint.
+    ALIGNED = ("a_ptr", "b_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "scale_ptr",
+               "x_ptr", "q_ptr", "s_ptr", "N", "K", "stride_am", "stride_bn", "stride_om", "stride_os")
+    UNIT = ("stride_ak", "stride_bk", "stride_on", "stride_xk", "stride_qk", "stride_ok")
+
     def build(name, kernel, cc, pointers, constexprs, warps=4, stages=1):
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig_of(kernel, pointers, constexprs), constexprs=constexprs)
+        constexprs = dict(constexprs, **{n: 1 for n in UNIT if n in kernel.arg_names})
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in kernel.arg_names}
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig_of(kernel, pointers, constexprs), constexprs=constexprs,
+                                        attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
         ptx = k.asm["ptx"]
         return dict(kernel=name, cc=cc, ptx_target=[l.split()[1] for l in ptx.splitlines() if l.startswith(".target")],
-                    fp8_cvt="e4m3" in ptx, mma="wgmma" in ptx or "mma.sync" in ptx, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared)
+                    fp8_cvt="e4m3" in ptx, mma="wgmma" in ptx or "mma.sync" in ptx,
+                    stages_in_smem=max([int(s) for s in re.findall(r"memdesc<(\\d+)x\\d+x\\d+x", k.asm["ttgir"])], default=1),
+                    cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared)
 
     def gemm(a, b, out, a_fp8, a_scale, b_scale, use_dot, bm, bn, bk, partial=False):
         ptrs = dict(a_ptr=a, b_ptr=b, a_scale_ptr="*fp32", b_scale_ptr="*fp32", bias_ptr="*fp16", out_ptr=out)
@@ -99,5 +112,6 @@ def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
             assert not r["fp8_cvt"], r  # no FP8 instruction on the V100 path
         if r["kernel"].startswith("w8a8"):
             assert r["fp8_cvt"] and r["mma"], r  # fp8 operands on the tensor cores (mma.sync e4m3 / wgmma)
+            assert r["stages_in_smem"] >= 2, r  # the K loop is software-pipelined (multi-buffered in shared memory)
         if r["kernel"].startswith("quantize"):
             assert not r["fp8_cvt"], r  # bit-op encoding, the same code the interpreter tests
