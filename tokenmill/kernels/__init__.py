@@ -16,9 +16,9 @@ Entry points (layers and attention backends call these, never a kernel module):
     quant_linear         triton/quant_linear.py             - (weights dequantized at load)
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
     fused_experts_quant  triton/fused_moe_quant.py          -
-    fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference)
-    quantize_fp8_activations triton/fp8_quant.py            fp8.py (PyTorch)
-    dequantize_fp8_weight triton/fp8_gemm.py                fp8.py (PyTorch, table decode)
+    fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference, no FP8 arithmetic)
+    quantize_fp8_activations  triton/fp8_quant.py           fp8.py (PyTorch, bit-equal)
+    dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
 
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
 FP8 (e4m3fn) schemes, scales and references: `fp8.py` (`Fp8Weight`).

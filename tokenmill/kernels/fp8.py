@@ -133,7 +133,9 @@ def e4m3_to_float(q: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.
     dtype float16 / bfloat16 / float32 are exact (NaN codes give NaN).
     """
     bits = fp8_bits(q)
-    return _table(dtype, bits.device)[bits.long()]
+    # int32 indices (4 bytes per element, not int64's 8: this decodes whole weights at load time).
+    flat = torch.index_select(_table(dtype, bits.device), 0, bits.reshape(-1).int())
+    return flat.reshape(bits.shape)
 
 
 def float_to_e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,11 @@ any GPU) and M:
   tensor cores there; shared/PLATFORMS.md); medium M (cc >= 8.0): tiled; large M, and M above small
   on cc < 8.0: dequantize once (`dequantize_fp8_triton`) + cuBLAS.
 
+Accumulation: fp8 dots run with `max_num_imprecise_acc=BLOCK_K`: on sm_90 Triton otherwise lets the
+fp8 wgmma accumulate the whole K loop in its reduced-precision (~14-bit) accumulator; capped, every
+BLOCK_K-deep (128) partial product is added into float32 (DeepSeek-V3's promotion interval). `_scaled_mm`
+runs with use_fast_accum=False (cuBLAS promotes likewise).
+
 Split-K writes float32 partials [SPLIT_K, M, N] that `fp8_splitk_reduce_kernel` sums in a fixed order
 (+ bias, cast): no atomics, deterministic, no host sync. float16 outputs saturate at +-65504.
 Products are accumulated in float32 everywhere.
@@ -110,7 +115,9 @@ def fp8_matmul_kernel(
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         b_mask = k_mask[:, None] & n_mask[None, :]
         if A_FP8:
-            part = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0))
+            # sm_90's fp8 wgmma keeps ~14 bits of its running sum (Triton's default there lets it run over the
+            # whole K loop): cap it at one K tile, so every BLOCK_K-deep partial product is added in float32.
+            part = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), max_num_imprecise_acc=BLOCK_K)
         else:
             w = e4m3_to_f16_div256(tl.load(b_ptrs, mask=b_mask, other=0))
             if USE_DOT:
