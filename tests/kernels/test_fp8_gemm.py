@@ -230,3 +230,24 @@ def test_gpu_quantization_bit_equal_at_real_size():
         q, s = quantize_fp8_triton(x, group)
         rq, rs = fp8.quantize_fp8_per_row(x) if group is None else fp8.quantize_fp8_per_group(x, group)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+@pytest.mark.gpu
+def test_gpu_forced_cc70_takes_the_weight_only_paths(monkeypatch):
+    """TOKENMILL_FORCE_CC70=1 (platforms.cuda.effective_capability): no W8A8 even where FP8 arithmetic exists;
+    fp16 decode runs the FMA split-K kernel, larger M dequantize + cuBLAS; both match the weight-only reference."""
+    from tokenmill import kernels
+
+    monkeypatch.setenv("TOKENMILL_FORCE_CC70", "1")
+    fp8_gemm._device_facts.cache_clear()
+    try:
+        assert fp8_gemm.device_facts(torch.device("cuda"))[0] == (7, 0)
+        w = to(make_weight(4096, 4096, "block"), "cuda")
+        for m in (1, 8, 64):
+            x = torch.randn(2, m, 4096, dtype=torch.float16, device="cuda")
+            y = kernels.fp8_linear(x, w)  # W8A8 requested, weight-only on cc 7.0
+            assert y.shape == (2, m, 4096)
+            assert_gemm_close(y.reshape(-1, 4096), x.reshape(-1, 4096), w, None, False,
+                              2.0 ** -11 if 2 * m > fp8_gemm.SMALL_M_MAX_CC70 else 2.0 ** -12)
+    finally:
+        fp8_gemm._device_facts.cache_clear()

@@ -5,7 +5,8 @@ Conversions are integer bit operations, not FP8 casts, for two reasons:
   decode e4m3 there (`e4m3_to_f16_div256`);
 - Triton 3.6's interpreter (the CPU tests) rounds float32 -> float8e4nv wrongly: it flushes
   e4m3 subnormals (|x| < 2^-6) to zero and maps 470 to NaN and 1000 to 256 (checked 2026-12-01),
-  while its fp8 loads and fp8 `tl.dot` are exact. Encoding with bit operations
+  while its fp8 loads and fp8 `tl.dot` are exact (loads decode the NaN codes 0x7F / 0xFF as +-480;
+  the encoder below never writes them). Encoding with bit operations
   (`f32_to_e4m3_bits`) gives the same bits on the GPU and in the interpreter, equal to torch's
   round-to-nearest-even cast (`kernels.fp8.float_to_e4m3`).
 
