@@ -48,12 +48,17 @@ def to(w: fp8.Fp8Weight, device: str) -> fp8.Fp8Weight:
 
 
 def assert_gemm_close(y: torch.Tensor, x: torch.Tensor, w: fp8.Fp8Weight, bias, w8a8: bool, e_acc: float) -> None:
-    xc, wc = x.cpu(), to(w, "cpu")
-    ref = fp8.fp8_linear_reference(xc, wc, None if bias is None else bias.cpu(), w8a8).float()
-    xs = fp8.quantize_activations_reference(xc, wc) if w8a8 else xc.float()
-    p = xs.abs() @ fp8.dequantize_fp8_weight(wc).abs().t()
+    """y within the module docstring's bound of the reference, computed on x's device in float32 (no TF32)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ref = fp8.fp8_linear_reference(x, w, bias, w8a8).float()
+        xs = fp8.quantize_activations_reference(x, w) if w8a8 else x.float()
+        p = xs.abs() @ fp8.dequantize_fp8_weight(w).abs().t()
+    finally:
+        torch.set_float32_matmul_precision(precision)
     assert y.shape == ref.shape and y.dtype == x.dtype
-    err = (y.float().cpu() - ref).abs()
+    err = (y.float() - ref).abs()
     bound = U[x.dtype] * ref.abs() + e_acc * p + 1e-6
     assert bool((err <= bound).all()), f"max err / bound {float((err / bound).max()):.3g}"
 
