@@ -16,8 +16,12 @@ Entry points (layers and attention backends call these, never a kernel module):
     quant_linear         triton/quant_linear.py             - (weights dequantized at load)
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
     fused_experts_quant  triton/fused_moe_quant.py          -
+    fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference, no FP8 arithmetic)
+    quantize_fp8_activations  triton/fp8_quant.py           fp8.py (PyTorch, bit-equal)
+    dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
 
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
+FP8 (e4m3fn) schemes, scales and references: `fp8.py` (`Fp8Weight`).
     CPU decode attention -                                  cpu/decode.py (`kernels.cpu.decode`)
 
 The elementwise entry points return None where no kernel takes the inputs
@@ -45,6 +49,14 @@ import torch
 
 from tokenmill import envs
 from tokenmill.kernels.cpu import elementwise as _cpu
+from tokenmill.kernels.fp8 import (
+    Fp8Weight,
+    fp8_linear_reference,
+    quantize_fp8_per_group,
+    quantize_fp8_per_row,
+    quantize_fp8_per_tensor,
+)
+from tokenmill.kernels.fp8 import dequantize_fp8_weight as _fp8_dequantize
 from tokenmill.kernels.quant_pack import QuantTensors, dequantize
 
 logger = logging.getLogger(__name__)
@@ -206,3 +218,54 @@ def fused_experts_quant(hidden_states: torch.Tensor, w13: QuantTensors, w2: Quan
     from tokenmill.kernels.triton.fused_moe_quant import fused_experts_quant_triton
 
     return fused_experts_quant_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               quantize_activations: bool = True) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for an FP8 weight `w` (per-tensor, per-channel or block scales; `kernels.fp8`).
+
+    x [..., K] float16 / bfloat16 / float32 -> [..., N] in x's dtype. quantize_activations: W8A8 (x
+    quantized per token, per 1 x Bk group for block weights, or with w.input_scale), else weight-only.
+    CUDA: `kernels.triton.fp8_gemm.fp8_linear_triton` (W8A8 on cc >= 8.9 via torch._scaled_mm or Triton;
+    below 8.9 always weight-only, decoding the fp8 bits in the kernel). Elsewhere (CPU):
+    `fp8.fp8_linear_reference` (dequantize, float32 matmul; x quantized first for W8A8).
+
+    Raises:
+        ValueError: x's last dim is not K, or w's scale / block size does not fit its weight.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        from tokenmill.kernels.triton.fp8_gemm import fp8_linear_triton
+
+        y = fp8_linear_triton(x2, w, bias, quantize_activations)
+    else:
+        if x2.shape[1] != w.weight.shape[-1]:
+            raise ValueError(f"x must end in {w.weight.shape[-1]} features for this FP8 weight, not {x.shape[-1]}.")
+        y = fp8_linear_reference(x2, w, bias, quantize_activations)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def quantize_fp8_activations(x: torch.Tensor, group_size: int | None = None,
+                             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization of x [M, K]: (q float8_e4m3fn [M, K], scale float32 [M, 1] per token or
+    [M, ceil(K / group_size)] per group); a static `scale` ([] / [1]) is used as given (returned as [1]).
+    CUDA: one Triton launch (`kernels.triton.fp8_quant`); elsewhere `kernels.fp8` (bit-equal)."""
+    if x.is_cuda:
+        from tokenmill.kernels.triton.fp8_quant import quantize_fp8_triton
+
+        return quantize_fp8_triton(x, group_size, scale)
+    if scale is not None:
+        q, s = quantize_fp8_per_tensor(x, scale)
+        return q, s.reshape(1)
+    return quantize_fp8_per_row(x) if group_size is None else quantize_fp8_per_group(x, group_size)
+
+
+def dequantize_fp8_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight of `w` in `dtype` (q * scale in float32, rounded once): Triton on CUDA,
+    `fp8.dequantize_fp8_weight` (table decode, no FP8 arithmetic) elsewhere."""
+    if w.weight.is_cuda:
+        from tokenmill.kernels.triton.fp8_gemm import dequantize_fp8_triton
+
+        return dequantize_fp8_triton(w, dtype)
+    return _fp8_dequantize(w, dtype)
