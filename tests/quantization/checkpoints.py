@@ -74,7 +74,8 @@ def save_tiny_hf_model(kind: str, folder: str, seed: int = 0, dtype: torch.dtype
 
 # ---- reading a dense folder ---------------------------------------------------------------------
 
-def _read_state_dict(folder: str) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files, by name."""
     out = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
@@ -257,7 +258,7 @@ def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bit
             shutil.copy(src, os.path.join(out_dir, entry))
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, t in _per_expert(_read_state_dict(model_dir_in)).items():
+    for name, t in _per_expert(read_state_dict(model_dir_in)).items():
         module = name[: -len(".weight")]
         if not is_quantized_by_tools(name, t) or module in skip_modules:
             out[name] = t
@@ -394,7 +395,7 @@ def reference_dequantized_state_dict(out_dir: str) -> dict[str, torch.Tensor]:
     cfg = _read_quantization_config(out_dir)
     method = cfg.get("quant_method", "gptq" if "desc_act" in cfg or "sym" in cfg else "awq")
     reference, packed = _REFERENCE[method]
-    state = _read_state_dict(out_dir)
+    state = read_state_dict(out_dir)
     modules = {n[: -len(packed) - 1] for n in state if n.endswith("." + packed)}
     out = {}
     for name, t in state.items():

@@ -239,7 +239,7 @@ def substring_pattern(name: str) -> str:
 def bad_tensor(name: str, field: str, why: str) -> ValueError:
     """The load error for a checkpoint tensor that disagrees with the config: names the tensor and the field."""
     return ValueError(f"Quantized checkpoint tensor {name} disagrees with the quantization config's {field}: "
-                      f"{why}. The checkpoint is refused (nothing was loaded).")
+                      f"{why}. The checkpoint is refused.")
 
 
 # Keys GPTQModel writes into every config it exports (GPTQ and AWQ alike), beyond the method's own.
