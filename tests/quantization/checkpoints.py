@@ -21,6 +21,9 @@ projections). Left as they are, like the real tools do: embeddings,
 written per expert (`experts.3.gate_proj...`), as real AWQ/GPTQ MoE
 checkpoints are.
 
+`quantize_state_dict` does the same for a dense state dict in memory
+(returning the tensors and the config dict).
+
 `reference_dequantized_state_dict` reads such a folder back into dense
 weights with the reference library's own code: compressed-tensors'
 decompressor, AutoAWQ's `dequantize_gemm`; GPTQModel does not install on
@@ -220,6 +223,42 @@ def _quantization_config(method, bits, group_size, symmetric, act_order, checkpo
             "version": "0.12.0"}
 
 
+def quantize_state_dict(state: dict[str, torch.Tensor], method: str, bits: int, group_size: int,
+                        act_order: bool = False, symmetric: bool | None = None, *,
+                        scale_dtype: torch.dtype = torch.float16, checkpoint_format: str = "gptq",
+                        skip_modules: tuple[str, ...] = (), seed: int = 0,
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """A dense state dict in `method`'s checkpoint format: (tensors, the quantization_config dict the tool writes).
+
+    Arguments as `write_quantized_checkpoint`. 2-D `*_proj.weight` tensors
+    (`is_quantized_by_tools`) not in `skip_modules` become the format's
+    tensors; stacked experts are split per expert; the rest is kept.
+
+    Raises:
+        ValueError: a shape the format cannot store (AWQ: N % 8, K % group_size).
+    """
+    symmetric = DEFAULT_SYMMETRIC[method] if symmetric is None else symmetric
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in _per_expert(state).items():
+        module = name[: -len(".weight")]
+        if not is_quantized_by_tools(name, t) or module in skip_modules:
+            out[name] = t
+            continue
+        perm = torch.randperm(t.shape[1], generator=gen) if act_order else None
+        if method == "awq":
+            parts = _write_awq(t, bits, group_size, symmetric, perm, scale_dtype)
+        elif method == "gptq":
+            parts = _write_gptq(t, bits, group_size, symmetric, perm, scale_dtype, checkpoint_format)
+        elif method == "compressed-tensors":
+            parts = _write_compressed_tensors(t, bits, group_size, symmetric, perm, scale_dtype)
+        else:
+            raise ValueError(f"unknown method {method!r}")
+        out.update({f"{module}.{suffix}": v for suffix, v in parts.items()})
+    qcfg = _quantization_config(method, bits, group_size, symmetric, act_order, checkpoint_format, list(skip_modules))
+    return out, qcfg
+
+
 def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bits: int, group_size: int,
                                act_order: bool = False, symmetric: bool | None = None, *,
                                scale_dtype: torch.dtype = torch.float16, checkpoint_format: str = "gptq",
@@ -249,34 +288,18 @@ def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bit
     Returns:
         out_dir.
     """
-    symmetric = DEFAULT_SYMMETRIC[method] if symmetric is None else symmetric
     os.makedirs(out_dir, exist_ok=True)
     for entry in os.listdir(model_dir_in):
         src = os.path.join(model_dir_in, entry)
         if os.path.isfile(src) and not entry.endswith(".safetensors") and entry not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy(src, os.path.join(out_dir, entry))
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in _per_expert(read_state_dict(model_dir_in)).items():
-        module = name[: -len(".weight")]
-        if not is_quantized_by_tools(name, t) or module in skip_modules:
-            out[name] = t
-            continue
-        perm = torch.randperm(t.shape[1], generator=gen) if act_order else None
-        if method == "awq":
-            parts = _write_awq(t, bits, group_size, symmetric, perm, scale_dtype)
-        elif method == "gptq":
-            parts = _write_gptq(t, bits, group_size, symmetric, perm, scale_dtype, checkpoint_format)
-        elif method == "compressed-tensors":
-            parts = _write_compressed_tensors(t, bits, group_size, symmetric, perm, scale_dtype)
-        else:
-            raise ValueError(f"unknown method {method!r}")
-        out.update({f"{module}.{suffix}": v for suffix, v in parts.items()})
+    out, qcfg = quantize_state_dict(read_state_dict(model_dir_in), method, bits, group_size, act_order, symmetric,
+                                    scale_dtype=scale_dtype, checkpoint_format=checkpoint_format,
+                                    skip_modules=skip_modules, seed=seed)
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(model_dir_in, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    qcfg = _quantization_config(method, bits, group_size, symmetric, act_order, checkpoint_format, list(skip_modules))
     if config_file == "config.json":
         config["quantization_config"] = qcfg
     else:

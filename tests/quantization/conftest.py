@@ -26,3 +26,9 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
     """HF folder of a tiny random Qwen3-MoE (layer 0 dense MLP, layer 1 4 experts of 128), float32."""
     return save_tiny_hf_model("qwen3_moe", str(tmp_path_factory.mktemp("dense_qwen3_moe")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """HF folder of a tiny random Qwen3 (q_norm / k_norm, head_dim 32), float32."""
+    return save_tiny_hf_model("qwen3", str(tmp_path_factory.mktemp("dense_qwen3")))

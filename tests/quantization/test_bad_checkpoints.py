@@ -128,6 +128,28 @@ def test_shapes_that_disagree_are_named(written):
     _fails(raw, bad, f"{MODULE}.weight_g_idx", "actorder")
 
 
+def test_dense_weights_under_a_quantized_config_are_refused(written, tiny_llama_dir):
+    """A "frozen" compressed-tensors export may hold dense weights with scales: no weight_packed, refused."""
+    raw, state = written["ct-asym"]
+    dense = read_state_dict(tiny_llama_dir)
+    frozen = {k: v for k, v in state.items() if not k.startswith(MODULE)}
+    frozen[f"{MODULE}.weight"] = dense[f"{MODULE}.weight"]
+    frozen[f"{MODULE}.weight_scale"] = state[f"{MODULE}.weight_scale"]
+    frozen[f"{MODULE}.weight_zero_point"] = state[f"{MODULE}.weight_zero_point"]
+    _fails({**raw, "quantization_status": "frozen"}, frozen, f"{MODULE}.weight_packed", "missing")
+
+
+def test_unpacked_int8_zero_points_are_read(written):
+    """Older compressed-tensors releases stored asymmetric zero points unpacked, int8 [N, ngroups], signed."""
+    from tokenmill.quantization.compressed_tensors import unpack_zero_points
+
+    raw, state = written["ct-asym"]
+    packed = state[f"{MODULE}.weight_zero_point"]
+    zeros = unpack_zero_points(packed, 4, 128)
+    old = {**state, f"{MODULE}.weight_zero_point": (zeros.to(torch.int16) - 8).to(torch.int8)}
+    assert torch.equal(_convert(raw, old)[f"{MODULE}.qzeros"], _convert(raw, state)[f"{MODULE}.qzeros"])
+
+
 def test_duplicate_tensor_is_refused(written):
     raw, state = written["gptq-sym"]
     name = f"{MODULE}.scales"

@@ -105,7 +105,7 @@ def test_real_configs_parse(raw, want):
     ({**AWQ, "some_new_key": 1}, "some_new_key"),
     ({**CT_W4A16, "format": "int-quantized"}, "format"),
     ({**CT_W4A16, "format": "float-quantized"}, "float-quantized"),
-    ({**CT_W4A16, "quantization_status": "frozen"}, "quantization_status"),
+    ({**CT_W4A16, "quantization_status": "initialized"}, "quantization_status"),
     ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
     ({**CT_W4A16, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
     (_ct(num_bits=2), "num_bits"),

@@ -17,8 +17,9 @@ import os
 import pytest
 import torch
 from checkpoints import (
-    read_state_dict,
     autoawq_packing_utils,
+    quantize_state_dict,
+    read_state_dict,
     reference_dequantized_state_dict,
     write_quantized_checkpoint,
 )
@@ -118,6 +119,28 @@ def test_qwen3_moe_checkpoint_converts_per_expert(tiny_qwen3_moe_dir, tmp_path, 
     _check_exact(out, read_state_dict(tiny_qwen3_moe_dir), expect_modules=7 + 4 + 12)
 
 
+@pytest.mark.parametrize("method, bits, group_size", [("awq", 4, 64), ("gptq", 8, 128),
+                                                       ("compressed-tensors", 4, 128)])
+def test_qwen3_checkpoint_converts(tiny_qwen3_dir, tmp_path, method, bits, group_size):
+    out = write_quantized_checkpoint(tiny_qwen3_dir, str(tmp_path), method, bits, group_size)
+    state = read_state_dict(out)
+    assert "model.layers.0.self_attn.q_norm.weight" in state  # norms stay dense
+    _check_exact(out, read_state_dict(tiny_qwen3_dir), expect_modules=2 * 7)
+
+
+def test_quantize_state_dict_in_memory(tiny_llama_dir):
+    dense = read_state_dict(tiny_llama_dir)
+    tensors, qcfg = quantize_state_dict(dense, "gptq", 4, 64, act_order=True)
+    cfg = resolve_quantization(qcfg, "gptq")
+    assert cfg.act_order and cfg.group_size == 64
+    converted = dict(convert_weights(cfg, tensors.items()))
+    m = "model.layers.0.self_attn.o_proj"
+    got = dequantize(converted[f"{m}.qweight"], converted[f"{m}.scales"], converted.get(f"{m}.qzeros"),
+                     converted[f"{m}.g_idx"], 4, 64, 128)
+    assert ((got.float() - dense[f"{m}.weight"]).abs().max() / dense[f"{m}.weight"].abs().max()) < 0.1
+    assert torch.equal(converted["model.embed_tokens.weight"], dense["model.embed_tokens.weight"])
+
+
 def test_stacked_experts_are_written_per_expert(tiny_qwen3_moe_dir, tmp_path):
     """HF 5 may store experts stacked (`experts.gate_up_proj` [E, 2I, H]); the writer splits them like the tools."""
     from safetensors.torch import save_file
@@ -177,3 +200,22 @@ def test_unquantized_modules_pass_through_and_ignore_lists(tiny_llama_dir, tmp_p
         assert skip[0] not in quantized_modules(cfg, state)
         converted = dict(convert_weights(cfg, state.items()))
         assert torch.equal(converted[f"{skip[0]}.weight"], read_state_dict(tiny_llama_dir)[f"{skip[0]}.weight"])
+
+
+@pytest.mark.parametrize("method, bits, group_size, act_order, shape", [
+    ("gptq", 4, 32, False, (24, 100)),  # K = 100: the last packed row is partly filled; N = 24: zeros too
+    ("gptq", 8, 32, True, (20, 90)),
+    ("gptq", 4, -1, False, (12, 36)),
+    ("compressed-tensors", 4, -1, False, (20, 100)),  # the zero points' packing along N ends mid-word
+    ("compressed-tensors", 8, -1, False, (6, 30)),
+    ("awq", 4, 32, False, (24, 96)),
+])
+def test_odd_shapes_convert_exactly(tmp_path, method, bits, group_size, act_order, shape):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    dense = {"m.x_proj.weight": torch.randn(shape), "m.norm.weight": torch.randn(shape[1])}
+    tensors, qcfg = quantize_state_dict(dense, method, bits, group_size, act_order, symmetric=False)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qcfg}))
+    _check_exact(str(tmp_path), dense, expect_modules=1)

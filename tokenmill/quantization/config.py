@@ -221,6 +221,12 @@ def is_ignored(cfg: QuantizationConfig, module_name: str) -> bool:
     An entry matches the exact module name, or with a "re:" prefix the
     pattern `re.match`es it (compressed-tensors' rule; AWQ's substring
     `modules_to_not_convert` entries are stored as such patterns).
+
+    For a real checkpoint the tensors are the authority
+    (`convert.quantized_modules`: a module is quantized when its packed
+    weight is stored); this answers for weights that are not read from a
+    checkpoint (dummy weights) and for messages. AWQ's substring rule is
+    broad: an entry "mlp.gate" also matches "mlp.gate_proj".
     """
     for entry in cfg.ignore:
         if entry.startswith("re:"):
