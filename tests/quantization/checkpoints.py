@@ -7,10 +7,10 @@ published layout with the config the real tool writes:
 
 - awq: AutoAWQ's GEMM layout (qweight [K, N/8] and qzeros [K/G, N/8] with the
   interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales [K/G, N]),
-  packed by this file after AutoAWQ's `WQLinear_GEMM.from_linear`;
+  packed by this file (byte-identical to AutoAWQ's `WQLinear_GEMM.from_linear`, tested);
 - gptq: GPTQModel / AutoGPTQ's layout (qweight [K/p, N], qzeros [ngroups,
   N/p] minus one for `checkpoint_format: gptq`, scales, g_idx), packed by
-  this file after GPTQModel's packer;
+  this file (byte-identical to AutoGPTQ's `QuantLinear.pack`, tested);
 - compressed-tensors: `pack-quantized`, packed by compressed-tensors' own
   `pack_to_int32`.
 
@@ -29,7 +29,9 @@ weights with the reference library's own code: compressed-tensors'
 decompressor, AutoAWQ's `dequantize_gemm`; GPTQModel does not install on
 CPU here (it needs a newer torch and compiles extensions), so GPTQ uses this
 file's reading of GPTQModel's `dequantize_weight` and v1->v2 zero fix-up,
-written independently of tokenmill's converter.
+written independently of tokenmill's converter and checked against
+AutoGPTQ's own CPU dequantization in test_tool_packing.py (the two tools
+agree except for a v1 zero of 0, which AutoGPTQ cannot store).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -325,17 +329,31 @@ def _read_quantization_config(folder: str) -> dict:
     raise ValueError(f"{folder} has no quantization config")
 
 
-def autoawq_packing_utils():
-    """AutoAWQ's `awq/utils/packing_utils.py`, loaded on its own: `import awq` runs AutoAWQ's model registry,
-    which needs `datasets` and a CUDA-era transformers; the unpacking code itself is plain torch."""
-    spec = importlib.util.find_spec("awq")
+def tool_module(package: str, module: str):
+    """Import `package.module` from an installed tool without running `package/__init__.py`, or None if absent.
+
+    AutoAWQ's and AutoGPTQ's package inits import their model registries
+    (datasets, CUDA-era transformers APIs); the packing and unpacking modules
+    need only torch / numpy / transformers. sys.modules is restored after.
+    """
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "utils", "packing_utils.py")
-    mod_spec = importlib.util.spec_from_file_location("autoawq_packing_utils", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
+    saved = {k: v for k, v in sys.modules.items() if k == package or k.startswith(package + ".")}
+    stand_in = types.ModuleType(package)
+    stand_in.__path__ = list(spec.submodule_search_locations)
+    sys.modules[package] = stand_in
+    try:
+        return importlib.import_module(f"{package}.{module}")
+    finally:
+        for name in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def autoawq_packing_utils():
+    """AutoAWQ's `awq/utils/packing_utils.py` (its plain-torch dequantize_gemm), or None without autoawq."""
+    return tool_module("awq", "utils.packing_utils")
 
 
 def _awq_reference(parts: dict, cfg: dict) -> torch.Tensor:

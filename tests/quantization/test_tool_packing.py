@@ -1,44 +1,52 @@
 """The fixture writers pack exactly as the tools do, where the tools' packers run on CPU.
 
-AutoAWQ's `WQLinear_GEMM.from_linear` and compressed-tensors'
-`PackedQuantizationCompressor.compress` get the writer's scales and zero
-points and must produce the writer's tensors bit for bit. (GPTQModel does
-not install here; its layout is checked through the reading of its
-dequantize_weight in checkpoints.py.)
+AutoAWQ's `WQLinear_GEMM.from_linear`, AutoGPTQ's `QuantLinear.pack` and
+compressed-tensors' `PackedQuantizationCompressor.compress` get the writer's
+scales and zero points and must produce the writer's tensors bit for bit.
+AutoGPTQ's own CPU dequantization (its `QuantLinear.forward` without the CUDA
+extension) must also equal checkpoints.py's reading of GPTQModel's
+dequantize_weight, act-order included (GPTQModel itself does not install on
+CPU here).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-import types
 
 import pytest
 import torch
-from checkpoints import _rtn, _write_awq, _write_compressed_tensors, autoawq_packing_utils
+from checkpoints import (
+    _gptq_reference,
+    _rtn,
+    _write_awq,
+    _write_compressed_tensors,
+    _write_gptq,
+    autoawq_packing_utils,
+    tool_module,
+)
 from optional_deps import missing, require
 
 require("compressed_tensors", "compressed-tensors")
 
 
 @pytest.fixture
-def autoawq_gemm(monkeypatch):
-    """(AutoAWQ's GEMM module, its packing_utils), imported without running `awq/__init__` (which needs its
-    training deps)."""
+def autoawq_gemm():
+    """(AutoAWQ's GEMM module, its packing_utils)."""
     utils = autoawq_packing_utils()
     if utils is None:
         missing("autoawq")
-    spec = importlib.util.find_spec("awq")
-    package = types.ModuleType("awq")
-    package.__path__ = list(spec.submodule_search_locations)
-    saved = {k: v for k, v in sys.modules.items() if k == "awq" or k.startswith("awq.")}
-    monkeypatch.setitem(sys.modules, "awq", package)
-    import awq.modules.linear.gemm as gemm
+    return tool_module("awq", "modules.linear.gemm"), utils
 
-    yield gemm, utils
-    for name in [k for k in sys.modules if k.startswith("awq.")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
+
+@pytest.fixture
+def autogptq():
+    """(AutoGPTQ's qlinear_cuda_old, qlinear_cuda): their `pack` and CPU dequantizing forward are plain torch/numpy."""
+    if sys.version_info >= (3, 12):
+        pytest.skip("AutoGPTQ 0.7.1 (its last release) ships wheels up to Python 3.11 only")
+    old = tool_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda_old")
+    if old is None:
+        missing("auto-gptq")
+    return old, tool_module("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
@@ -81,3 +89,39 @@ def test_compressed_tensors_writer_packs_like_the_compressor(bits, group_size, s
     assert set(ref) == set(parts)
     for name in parts:
         assert torch.equal(ref[name], parts[name]), name
+
+
+@pytest.mark.parametrize("bits, group_size, symmetric", [(4, 128, True), (4, 32, False), (8, 64, True),
+                                                         (8, -1, False), (4, -1, True)])
+def test_gptq_writer_packs_like_autogptq(autogptq, bits, group_size, symmetric):
+    old, _ = autogptq
+    torch.manual_seed(bits + group_size)
+    w = torch.randn(64, 256)
+    parts = _write_gptq(w, bits, group_size, symmetric, None, torch.float16, "gptq")
+    _, s, z, g_idx = _rtn(w, bits, group_size, symmetric, None, torch.float16)
+    assert bool((z > 0).all())  # AutoGPTQ's packer ORs in zero - 1 unmasked: a zero of 0 would spill
+    # AutoGPTQ packs round((W + z * s) / s): give it the grid weights the checkpoint stands for.
+    linear = torch.nn.Linear(256, 64, bias=False)
+    linear.weight.data = _gptq_reference(parts, {"bits": bits}).float()
+    ref = old.QuantLinear(bits, group_size, 256, 64, bias=False, weight_dtype=torch.float16)
+    ref.pack(linear, s.float(), z.float(), g_idx)
+    assert torch.equal(ref.qweight, parts["qweight"])
+    assert torch.equal(ref.qzeros, parts["qzeros"])
+    assert torch.equal(ref.scales, parts["scales"])
+
+
+@pytest.mark.parametrize("bits, group_size, symmetric, act_order", [(4, 128, True, True), (4, 32, False, True),
+                                                                    (8, 64, True, False), (8, 32, False, True),
+                                                                    (4, -1, False, False)])
+def test_gptq_reading_matches_autogptq_dequantization(autogptq, bits, group_size, symmetric, act_order):
+    _, new = autogptq
+    torch.manual_seed(7 * bits + group_size)
+    w = torch.randn(64, 256)
+    perm = torch.randperm(256) if act_order else None
+    parts = _write_gptq(w, bits, group_size, symmetric, perm, torch.float16, "gptq")
+    layer = new.QuantLinear(bits, group_size, 256, 64, bias=False, weight_dtype=torch.float16)
+    layer.qweight, layer.qzeros, layer.scales, layer.g_idx = (parts["qweight"], parts["qzeros"], parts["scales"],
+                                                              parts["g_idx"])
+    with torch.no_grad():  # x = I: the output is the dequantized weight W^T itself (one product per element)
+        dense = layer(torch.eye(256, dtype=torch.float16)).t()
+    assert torch.equal(dense, _gptq_reference(parts, {"bits": bits}))
