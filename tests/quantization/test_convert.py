@@ -17,13 +17,13 @@ import os
 import pytest
 import torch
 from checkpoints import (
-    autoawq_packing_utils,
     quantize_state_dict,
     read_state_dict,
     reference_dequantized_state_dict,
     write_quantized_checkpoint,
 )
 from optional_deps import missing, require
+from references import autoawq_packing_utils
 
 from tokenmill.kernels.quant_pack import dequantize, pack_factor
 from tokenmill.quantization import convert_weights, find_quantization_config, quantized_modules, resolve_quantization
