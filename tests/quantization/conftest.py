@@ -7,7 +7,7 @@ import torch
 from checkpoints import save_tiny_hf_model
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny tensors: intra-op threads cost more than they save (and the CPU cores are shared)."""
     old = torch.get_num_threads()

@@ -85,6 +85,7 @@ def test_real_configs_parse(raw, want):
 
 @pytest.mark.parametrize("raw, field", [
     ({**GPTQMODEL, "quant_method": "bitsandbytes"}, "quant_method"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8' is not supported .FP8"),
     ({**GPTQMODEL, "bits": 3}, "bits"),
     ({**GPTQMODEL, "group_size": 0}, "group_size"),
     ({**GPTQMODEL, "sym": "yes"}, "sym"),

@@ -122,7 +122,8 @@ def parse_quantization_config(raw: dict) -> QuantizationConfig:
     if method == "compressed-tensors":
         from tokenmill.quantization.compressed_tensors import parse_compressed_tensors_config
         return parse_compressed_tensors_config(raw, source)
-    raise ValueError(f"{source}: quant_method {method!r} is not supported; tokenmill reads "
+    later = " (FP8 checkpoints belong to tokenmill's FP8 work, not yet merged)" if "fp8" in method else ""
+    raise ValueError(f"{source}: quant_method {method!r} is not supported{later}; tokenmill reads "
                      f"{', '.join(METHODS)} int4/int8 weight checkpoints.")
 
 
