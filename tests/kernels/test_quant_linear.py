@@ -156,7 +156,26 @@ def test_plan_thresholds_and_split_k():
     per = -(-k_tiles // decode.split_k)
     assert (decode.split_k - 1) * per < k_tiles  # no empty K slice
     assert plan(1, 28672, (9, 0)).split_k == 1  # 448 N tiles fill the GPU
-    assert ql.plan_quant_linear(1, 4096, w._replace(group_size=32), (9, 0), 132).block_k == 32
+    assert plan(64, 4096, (9, 0)).block_k == 128 and plan(300, 4096, (9, 0)).block_m == 128
+    assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132).block_k == 64  # 16 words of 4 values
+
+
+def test_kernel_group_modes():
+    w = random_quant(8, 512, 4, 128, True, False)
+    assert ql.kernel_groups(w, 128)[:2] == (0, 128)  # one group per K tile
+    assert ql.kernel_groups(w._replace(group_size=-1), 128)[:2] == (0, 512)
+    assert ql.kernel_groups(w._replace(group_size=32), 128)[:2] == (1, 32)  # a group per 4 packed words
+    mode, g, g_idx = ql.kernel_groups(w._replace(group_size=12), 128)  # not a multiple of p = 8: gather k // 12
+    assert (mode, g) == (2, 12) and g_idx.tolist() == [k // 12 for k in range(512)]
+    assert ql.kernel_groups(w._replace(group_size=12), 64, packed_groups=False)[:2] == (1, 12)
+
+
+@pytest.mark.parametrize("path", ["splitk", "splitk_cc70", "tiled"])
+def test_group_size_not_a_multiple_of_the_pack_factor(nan_outputs, path):
+    w = random_quant(21, 100, 4, 12, True, False, device=DEV, seed=9)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(0)).to(DEV)
+    _check(ql.quant_linear(x, w, **PATHS[path]), x, w)
+    assert torch.equal(ql.dequantize_weight(w, torch.float32), dense(w))
 
 
 def test_bad_inputs_raise_value_error():

@@ -7,7 +7,7 @@ launch 2 computes the routing-weighted rows of inter @ w2[e]^T, summed over
 the top-k slots in float32). The difference is the B operand: each program
 loads its expert's packed int32 words, scales, zero points and g_idx (the
 `quant_pack` layout with a leading expert dim) and dequantizes a
-[BLOCK_K, BLOCK_N] tile in registers (`quant_linear._dequant_tile`:
+[BLOCK_N, BLOCK_K] tile in registers (`quant_linear._accumulate_tile`:
 W[n, k] = (q - z[n, g(k)]) * s[n, g(k)], float32, rounded once to the
 activation dtype) before `tl.dot`, so the weights are read at bits/16 of
 their 16-bit size and never materialized.
@@ -31,7 +31,8 @@ from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.quant_pack import QuantTensors
 from tokenmill.kernels.triton.fused_moe import moe_align_block_size
 from tokenmill.kernels.triton import quant_linear as _ql
-from tokenmill.kernels.triton.quant_linear import _dequant_tile, check_quant_tensors, device_facts, group_mode
+from tokenmill.kernels.triton.quant_linear import (_accumulate_tile, block_k_for, check_quant_tensors, device_facts,
+                                                    kernel_groups)
 
 
 @triton.jit
@@ -77,26 +78,20 @@ def grouped_quant_gemm_kernel(
     s_e = s_ptr + expert * stride_se
     z_e = z_ptr + expert * stride_ze
     g_e = g_ptr + expert * stride_ge
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Transposed: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @ a_tile^T (the dequantized tile is the
+    # dot's A operand, straight from registers; quant_linear's kernel does the same).
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kt * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(qw_e, s_e, z_e, g_e, offs_k, offs_n, k_mask, n_mask, k0, group_size,
-                          stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE)
-        if IEEE_FP32:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        acc = _accumulate_tile(acc, a_ptr, a_rows, pair_mask, stride_am, stride_ak, qw_e, s_e, z_e, g_e, offs_n, n_mask,
+                               kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn,
+                               stride_zg, BITS, HAS_ZEROS, GROUP_MODE, True, IEEE_FP32, BLOCK_K)
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
-        acc = acc * rw[:, None]
+        acc = acc * rw[None, :]
     if CLAMP_FP16:
         acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    c_ptrs = c_ptr + pair_ids[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    c_ptrs = c_ptr + pair_ids[None, :] * stride_cm + offs_n[:, None] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & pair_mask[None, :])
 
 
 def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -104,13 +99,11 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
                         num_stages: int) -> None:
     sorted_pair_ids, tile_expert_ids, num_post = aligned
     num_pairs, n = c.shape
-    # 64-wide N tiles as the 16-bit kernel; BLOCK_K 64 unless the group is smaller (one group per K tile).
-    block_n = 64
-    g = w.in_features if w.group_size == -1 or w.g_idx is not None else w.group_size
-    block_k = 32 if g < w.in_features and g % 64 != 0 else 64
-    mode, gsize = group_mode(w, block_k)
+    # 64-wide N tiles as the 16-bit kernel; BLOCK_K 16 packed words (quant_linear.block_k_for).
+    block_n, block_k = 64, block_k_for(w.bits)
+    mode, gsize, g_idx = kernel_groups(w, block_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
-    gi = w.g_idx if w.g_idx is not None else w.qweight
+    gi = g_idx if g_idx is not None else w.qweight
     grid = (tile_expert_ids.numel(), triton.cdiv(n, block_n))
     grouped_quant_gemm_kernel[grid](
         a, w.qweight, w.scales, qz, gi, c, topk_weights if topk_weights is not None else c,
@@ -119,7 +112,7 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
         a.stride(0), a.stride(1),
         w.qweight.stride(0), w.qweight.stride(1), w.qweight.stride(2),
         w.scales.stride(0), w.scales.stride(1), w.scales.stride(2),
-        qz.stride(0), qz.stride(1), qz.stride(2), gi.stride(0) if w.g_idx is not None else 0,
+        qz.stride(0), qz.stride(1), qz.stride(2), gi.stride(0) if g_idx is not None else 0,
         c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BITS=w.bits,
         HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, IEEE_FP32=a.dtype == torch.float32,

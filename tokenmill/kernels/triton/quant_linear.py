@@ -11,18 +11,29 @@ Three paths, picked from M (rows of x) and the device's compute capability
 (`platforms.cuda.effective_capability`, so TOKENMILL_FORCE_CC70=1 takes the
 cc-7.0 paths on any GPU):
 
+All Triton GEMM paths share one inner step (`_accumulate_tile`): a
+[BLOCK_N, 16 words] tile of `qweight` (64 contiguous bytes per row) is
+loaded once and split by the position j of a value inside its word; the
+values at shift j * bits are the K columns k0 + w * p + j, so the tile's
+product is p products of K = 16 (the smallest tl.dot) with the matching
+K-strided rows of x. The result is computed transposed, acc^T [BLOCK_N,
+BLOCK_M] = W_tile @ x_tile^T ("swap AB"), so the dequantized weight is the
+dot's A operand straight from registers and the few rows of x sit on the B
+side. (The two obvious alternatives, re-loading each word once per value or
+unpacking into [N, K] with tl.reshape, spill registers at these tiles:
+checked with ptxas -v.)
+
 - small M (split-K): one program per (M tile, N tile, K slice). Decode is
   memory-bound: each program streams its slice of the packed words once
-  (bits/16 of the bf16 bytes: a quarter for 4-bit), unpacks them with shifts,
-  dequantizes in registers and multiplies. The K slices write float32
-  partials [SPLIT_K, M, N] that a second small kernel sums (plus bias, cast);
-  nothing is zeroed, no atomics, no host sync, shapes depend only on (M, N,
-  K), so it is CUDA-graph safe and deterministic. cc >= 8.0: `tl.dot` on a
-  16-row tile (tensor cores; the padded rows are free when memory-bound);
-  cc < 8.0: broadcast-multiply-and-sum in float32 (tl.dot there is plain FMA
-  over the padded rows, wasting up to 16x the arithmetic).
-- medium M (cc >= 8.0 only): the same kernel with 32-128-row tiles, the
-  dequantized [BLOCK_K, BLOCK_N] tile fed to `tl.dot` inside the K loop
+  (bits/16 of the bf16 bytes: a quarter for 4-bit, plus scales and zeros).
+  The K slices write float32 partials [SPLIT_K, M, N] that a second small
+  kernel sums in a fixed order (plus bias, cast); nothing is zeroed, no
+  atomics, no host sync, shapes depend only on (M, N, K), so it is
+  CUDA-graph safe and deterministic. cc >= 8.0: `tl.dot` on a 16-row tile
+  (tensor cores; the padded rows are free when memory-bound); cc < 8.0:
+  broadcast-multiply-and-sum in float32 (tl.dot there is plain FMA over the
+  padded rows, wasting up to 16x the arithmetic).
+- medium M (cc >= 8.0 only): the same kernel with 32-128-row tiles
   (split-K only while the output tiles cannot fill the GPU).
 - large M, and every M above small on cc < 8.0 (Triton's tl.dot has no
   tensor cores on Volta, shared/PLATFORMS.md): dequantize W into x's dtype
@@ -67,38 +78,116 @@ SMALL_M_MAX_CC70 = 8
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, k_mask, n_mask, k0, group_size,
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, K, group_size,
                   stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
-                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_MODE: tl.constexpr):
-    """Dequantized float32 tile [BLOCK_K, BLOCK_N] of W^T (rows k = offs_k, columns n = offs_n); 0 where masked.
+                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized float32 tile [BLOCK_N, BLOCK_K] of W (rows n = offs_n, columns k = k0 + arange(BLOCK_K));
+    the dequantize kernel's tile (the GEMM kernels use `_accumulate_tile`, which needs no reshape).
 
+    Reads each int32 word once: a [BLOCK_N, BLOCK_K / p] tile, contiguous along K (vector loads), unpacked
+    with shifts into [BLOCK_N, BLOCK_K / p, p] and reshaped row-major (k = word * p + j, low bits first).
+    Columns k >= K are finite (bits past K are zero, masked scales 0); the caller masks x there.
     GROUP_MODE 0: the whole tile lies in group k0 // group_size (group_size a multiple of BLOCK_K, or
-    >= K); 1: group offs_k // group_size per row; 2: act-order, group g_idx[offs_k] per row.
+    >= K); 1: group k // group_size per column; 2: act-order, group g_idx[k] per column.
     """
     P: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // P
     MIDPOINT: tl.constexpr = (1 << (BITS - 1)) * 1.0  # the zero point of symmetric weights
-    mask = k_mask[:, None] & n_mask[None, :]
-    # Each int32 word is loaded by the P rows it holds (same address: one DRAM read, served from L1).
-    words = tl.load(qw_ptr + offs_n[None, :] * stride_qn + (offs_k // P)[:, None] * stride_qk, mask=mask, other=0)
-    q = (words >> ((offs_k % P) * BITS)[:, None]) & ((1 << BITS) - 1)
+    offs_w = k0 // P + tl.arange(0, BLOCK_W)
+    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :] * stride_qk,
+                    mask=n_mask[:, None] & (offs_w < tl.cdiv(K, P))[None, :], other=0)
+    shifts = tl.arange(0, P) * BITS
+    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (offs_n.shape[0], BLOCK_K))
     if GROUP_MODE == 0:
         g = k0 // group_size
-        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)[:, None]
         else:
             z = MIDPOINT
     else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        mask = n_mask[:, None] & k_mask[None, :]
         if GROUP_MODE == 1:
             g = offs_k // group_size
         else:
             g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-        s = tl.load(s_ptr + offs_n[None, :] * stride_sn + g[:, None] * stride_sg, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg, mask=mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n[None, :] * stride_zn + g[:, None] * stride_zg, mask=mask, other=0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :] * stride_zg, mask=mask, other=0).to(tl.float32)
         else:
             z = MIDPOINT
     return (q.to(tl.float32) - z) * s
+
+
+@triton.jit
+def _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, g, g_mask, stride_sn, stride_sg, stride_zn, stride_zg,
+                  BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, PER_COLUMN: tl.constexpr):
+    """float32 scales and zero points of rows offs_n in group g: [BLOCK_N, 1] for a scalar g, or
+    [BLOCK_N, len(g)] for a vector g (PER_COLUMN); zero 2^(BITS-1) without zero points."""
+    if PER_COLUMN:
+        mask = n_mask[:, None] & g_mask[None, :]
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg, mask=mask, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :] * stride_zg, mask=mask, other=0)
+        else:
+            z = tl.full((1, 1), 1 << (BITS - 1), tl.int32)
+    else:
+        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0)[:, None]
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0)[:, None]
+        else:
+            z = tl.full((1, 1), 1 << (BITS - 1), tl.int32)
+    return s.to(tl.float32), z.to(tl.float32)
+
+
+@triton.jit
+def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask,
+                     k0, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
+                     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_MODE: tl.constexpr, USE_DOT: tl.constexpr,
+                     IEEE_FP32: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc^T [BLOCK_N, R] += W[offs_n, k0:k0+BLOCK_K] @ x[rows, k0:k0+BLOCK_K]^T, W dequantized in registers.
+
+    The [BLOCK_N, BLOCK_K / p] tile of packed words is loaded once (contiguous along K: vector loads) and
+    split by the position j of a value inside its word: the values at shift j * BITS are the K columns
+    k0 + w * p + j (w = 0 .. BLOCK_K / p - 1), so the product is p smaller products, each with the
+    matching K-strided rows of x (x is tiny next to W and comes from L1/L2). No reshape, no re-read.
+    The dequantized weight is the dot's A operand, straight from registers; x^T the B operand.
+    GROUP_MODE 0: one group for the whole tile (k0 // group_size); 1: group (k0 + w * p) // group_size,
+    the same for every j because group_size is a multiple of p; 2: act-order, g_idx[k] per column.
+    """
+    P: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // P
+    offs_w = k0 // P + tl.arange(0, BLOCK_W)
+    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :] * stride_qk,
+                    mask=n_mask[:, None] & (offs_w < tl.cdiv(K, P))[None, :], other=0)
+    if GROUP_MODE == 0:
+        s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, n_mask,
+                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
+    elif GROUP_MODE == 1:
+        s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, (offs_w * P) // group_size, offs_w * P < K,
+                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+    for j in tl.static_range(P):
+        offs_k = offs_w * P + j
+        k_mask = offs_k < K
+        if GROUP_MODE == 2:
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+            s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, g, k_mask,
+                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+        w = (((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_W]
+        if USE_DOT:
+            xt = tl.load(x_ptr + rows[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)  # [BLOCK_W, R]
+            if IEEE_FP32:
+                acc += tl.dot(w, xt, input_precision="ieee")
+            else:
+                acc += tl.dot(w.to(xt.dtype), xt)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [R, BLOCK_W]
+            acc += tl.sum(w[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
@@ -126,6 +215,12 @@ def quant_matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] output tile over K tiles [k_start, k_end) of slice program_id(1).
+
+    Computed transposed, acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @ x_tile^T: the dequantized
+    weight tile stays in registers as the dot's A operand (no transpose of the big tile) and the few rows
+    of x go to the B side ("swap AB" for small M).
+    """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -143,33 +238,21 @@ def quant_matmul_kernel(
     n_mask = offs_n < N
     k_start = pid_k * k_tiles_per_split
     k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
-        k0 = kt * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, k_mask, n_mask, k0, group_size,
-                          stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
-                          BITS, HAS_ZEROS, GROUP_MODE)
-        if USE_DOT:
-            if IEEE_FP32:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w.to(x.dtype))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
-    mask = m_mask[:, None] & n_mask[None, :]
+        acc = _accumulate_tile(acc, x_ptr, offs_m, m_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr,
+                               offs_n, n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
+                               stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K)
+    mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc,
+        tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, acc,
                  mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if CLAMP_FP16:
             acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -202,12 +285,12 @@ def dequantize_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    k_mask = offs_k < K
     w = _dequant_tile(qw_ptr + e * stride_qe, s_ptr + e * stride_se, z_ptr + e * stride_ze, g_ptr + e * stride_ge,
-                      offs_k, offs_n, k_mask, n_mask, pid_k * BLOCK_K, group_size,
-                      stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE)
-    ptrs = out_ptr + e * stride_oe + offs_n[None, :] * stride_on + offs_k[:, None] * stride_ok
-    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+                      offs_n, n_mask, pid_k * BLOCK_K, K, group_size,
+                      stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE,
+                      BLOCK_K)
+    ptrs = out_ptr + e * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok
+    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,14 +322,25 @@ def check_quant_tensors(w: QuantTensors, experts: bool = False) -> None:
         raise ValueError(f"qzeros has shape {tuple(w.qzeros.shape)}; it must match scales {tuple(w.scales.shape)}.")
 
 
-def group_mode(w: QuantTensors, block_k: int) -> tuple[int, int]:
-    """(GROUP_MODE, group size passed to the kernel) for `w` with K tiles of `block_k` (see `_dequant_tile`)."""
+def kernel_groups(w: QuantTensors, block_k: int, packed_groups: bool = True) -> tuple[int, int, torch.Tensor | None]:
+    """(GROUP_MODE, group size, g_idx) that the kernels read for `w` with K tiles of `block_k`.
+
+    0: one group per K tile (group size a multiple of block_k, or one group over K); 1: group per packed
+    word, `_accumulate_tile` (needs the group size to be a multiple of p) or per column, `_dequant_tile`
+    (packed_groups False); 2: a g_idx gather, `w.g_idx`, or k // G built here for a group size that is
+    not a multiple of p (no checkpoint format writes one; the tensor is made per call).
+    """
     if w.g_idx is not None:
-        return 2, max(w.group_size, 1)
-    g = w.in_features if w.group_size == -1 else w.group_size
-    if g >= w.in_features or g % block_k == 0:
-        return 0, g
-    return 1, g
+        return 2, max(w.group_size, 1), w.g_idx
+    k = w.in_features
+    g = k if w.group_size == -1 else w.group_size
+    if g >= k or g % block_k == 0:
+        return 0, g, None
+    if not packed_groups or g % pack_factor(w.bits) == 0:
+        return 1, g, None
+    lead = w.qweight.shape[:-2]
+    g_idx = (torch.arange(k, device=w.qweight.device, dtype=torch.int32) // g).expand(*lead, k)
+    return 2, g, g_idx
 
 
 @functools.cache
@@ -278,13 +372,11 @@ class QuantLinearPlan:
     num_stages: int = 1
 
 
-def _block_k_for(w: QuantTensors, preferred: int) -> int:
-    """Largest power of two <= preferred that is a divisor of the group size (one group per K tile), >= 16."""
-    g = w.in_features if w.group_size == -1 or w.g_idx is not None else w.group_size
-    bk = preferred
-    while bk > 16 and g < w.in_features and g % bk != 0:
-        bk //= 2
-    return bk
+def block_k_for(bits: int) -> int:
+    """K tile of the GEMM kernels: 16 packed words (p = 32 // bits values each) per row, so each of the p
+    per-position dots of `_accumulate_tile` has K = 16 (the smallest tl.dot) and a row of the word tile
+    is 64 contiguous bytes; 128 for 4-bit (one tile per group of the common group size 128), 64 for 8-bit."""
+    return 16 * pack_factor(bits)
 
 
 def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, int], num_sms: int,
@@ -295,13 +387,15 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     small_m_max / large_m_min override the M thresholds (tests reach every path on tiny shapes);
     split_k forces the number of K slices of the Triton paths.
 
-    Tiles (H200-class, cc >= 8.0): small M uses 16 x 64 output tiles with BLOCK_K 128 (or the group size)
-    and splits K until there are ~4 programs per SM, so decode streams the weights from every SM.
-    Medium M uses 32/64/128-row tiles by M and 128-wide N tiles (the dequantized weight tile is reused by
-    all rows of the tile; 128 x 128 x 64 fp16 tiles are the usual sweet spot of Triton GEMMs on
-    Ampere/Hopper), splitting K only while the output tiles are fewer than the SMs. cc < 8.0 (no cp.async:
-    one stage): BLOCK_M = next power of two of M (<= 8) and BLOCK_K shrinking as BLOCK_M grows, keeping
-    the float32 [BLOCK_M, BLOCK_K, BLOCK_N] product at 8K elements (64 registers per thread at 4 warps).
+    BLOCK_K is `block_k_for(bits)` everywhere (128 for 4-bit, 64 for 8-bit). Tiles (H200-class,
+    cc >= 8.0): small M uses 16-row (the smallest tl.dot) x 64 output tiles and splits K until there are
+    ~4 programs per SM, so decode streams the weights from every SM (a 4096-wide layer has only 64 N
+    tiles for 132 SMs). Medium M uses 32/64/128-row tiles by M and 128-wide N tiles (the dequantized
+    weight tile is reused by all rows of the tile; 128 x 128 tiles are the usual sweet spot of Triton
+    GEMMs on Ampere/Hopper), splitting K only while the output tiles are fewer than the SMs. cc < 8.0
+    (no cp.async: one stage): BLOCK_M = next power of two of M (<= 8), BLOCK_N 64 (32 for BLOCK_M 8), the
+    float32 [BLOCK_N, BLOCK_M, 16] per-position product at most 4K elements (32 registers per thread).
+    Register use was checked with ptxas -v (sm_90a, sm_70): no spills for these tiles.
     """
     cc70 = tuple(capability) < (8, 0)
     small = small_m_max if small_m_max is not None else (SMALL_M_MAX_CC70 if cc70 else SMALL_M_MAX)
@@ -310,16 +404,15 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     if m > small and (m > large or cc70):
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
-        bm = min(triton.next_power_of_2(m), 8)
-        bn = 64
-        bk = _block_k_for(w, 8192 // (bm * bn) if bm > 1 else 128)
+        bm, bk = min(triton.next_power_of_2(m), 8), block_k_for(w.bits)
+        bn = 64 if bm <= 4 else 32
         use_dot, warps, stages, path = False, 4, 1, "splitk"
     elif m <= small:
-        bm, bn, bk = 16, 64, _block_k_for(w, 128)
+        bm, bn, bk = 16, 64, block_k_for(w.bits)
         use_dot, warps, stages, path = True, 4, 3, "splitk"
     else:
         bm = 32 if m <= 32 else 64 if m <= 128 else 128
-        bn, bk = 128, _block_k_for(w, 64)
+        bn, bk = 128, block_k_for(w.bits)
         use_dot, warps, stages, path = True, 4 if bm <= 64 else 8, 3, "tiled"
     if cc70:
         stages = 1
@@ -343,7 +436,7 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, plan: QuantLinearPlan) -> torch.Tensor:
     m, k = x.shape
     n = w.qweight.shape[0]
-    mode, gsize = group_mode(w, plan.block_k)
+    mode, gsize, g_idx = kernel_groups(w, plan.block_k)
     k_tiles = triton.cdiv(k, plan.block_k)
     per = triton.cdiv(k_tiles, plan.split_k)
     partial = plan.split_k > 1
@@ -353,7 +446,7 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
     grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
     quant_matmul_kernel[grid](
-        x, w.qweight, w.scales, qz, w.g_idx if w.g_idx is not None else w.qweight,
+        x, w.qweight, w.scales, qz, g_idx if g_idx is not None else w.qweight,
         bias if bias is not None else w.scales, target,
         m, n, k, gsize, per,
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
@@ -436,7 +529,7 @@ def dequantize_weight(w: QuantTensors, dtype: torch.dtype) -> torch.Tensor:
     k = w.in_features
     out = _new_output((e, n, k), dtype, qw.device)
     block_n, block_k = 32, 64
-    mode, gsize = group_mode(w, block_k)
+    mode, gsize, _ = kernel_groups(w, block_k, packed_groups=False)
     zz = z if z is not None else s
     gg = g if g is not None else qw
     if e and n and k:
