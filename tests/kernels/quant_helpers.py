@@ -17,20 +17,21 @@ def random_quant(n: int, k: int, bits: int, group_size: int, zeros: bool, act_or
                  device: str = "cpu") -> QuantTensors:
     """A random weight W [(E,) n, k]: q uniform in [0, 2^bits), scales ~ U[0.5, 1.5] / (2^bits * sqrt(k)),
     zero points uniform (or absent), act-order g_idx a shuffle of k // G (per expert when experts)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # made on the device: fast at GPU test sizes
     lead = () if experts is None else (experts,)
     gs = k if group_size == -1 else group_size
     ngroups = -(-k // gs)
-    q = torch.randint(0, 1 << bits, (*lead, n, k), generator=g)
-    scales = (torch.rand(*lead, n, ngroups, generator=g) + 0.5) / ((1 << bits) * k**0.5) * 4
-    qzeros = torch.randint(0, 1 << bits, (*lead, n, ngroups), generator=g).to(torch.uint8) if zeros else None
+    q = torch.randint(0, 1 << bits, (*lead, n, k), generator=g, device=device)
+    scales = (torch.rand(*lead, n, ngroups, generator=g, device=device) + 0.5) / ((1 << bits) * k**0.5) * 4
+    qzeros = None
+    if zeros:
+        qzeros = torch.randint(0, 1 << bits, (*lead, n, ngroups), generator=g, device=device).to(torch.uint8)
     g_idx = None
     if act_order:
-        base = torch.arange(k) // gs
-        rows = [base[torch.randperm(k, generator=g)] for _ in range(experts or 1)]
-        g_idx = (torch.stack(rows) if experts is not None else rows[0]).to(torch.int32).to(device)
-    return QuantTensors(pack_along_last(q, bits).to(device), scales.to(dtype).to(device),
-                        qzeros.to(device) if qzeros is not None else None, g_idx, bits, group_size, k)
+        base = torch.arange(k, device=device) // gs
+        rows = [base[torch.randperm(k, generator=g, device=device)] for _ in range(experts or 1)]
+        g_idx = (torch.stack(rows) if experts is not None else rows[0]).to(torch.int32)
+    return QuantTensors(pack_along_last(q, bits), scales.to(dtype), qzeros, g_idx, bits, group_size, k)
 
 
 def dense(w: QuantTensors, dtype: torch.dtype | None = None) -> torch.Tensor:

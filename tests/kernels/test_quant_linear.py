@@ -178,6 +178,15 @@ def test_group_size_not_a_multiple_of_the_pack_factor(nan_outputs, path):
     assert torch.equal(ql.dequantize_weight(w, torch.float32), dense(w))
 
 
+def test_leading_dims_and_empty_inputs():
+    w = random_quant(10, 64, 4, 32, True, False, device=DEV)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0)).to(DEV)
+    y = ql.quant_linear(x, w)
+    assert y.shape == (2, 3, 10)
+    _check(y.reshape(6, 10), x.reshape(6, 64), w)
+    assert ql.quant_linear(x[:0], w).shape == (0, 3, 10)
+
+
 def test_bad_inputs_raise_value_error():
     w = random_quant(8, 64, 4, 32, True, False)
     with pytest.raises(ValueError, match="x must be"):
@@ -186,6 +195,8 @@ def test_bad_inputs_raise_value_error():
         ql.quant_linear(torch.randn(2, 64), w._replace(in_features=80))
     with pytest.raises(ValueError, match="scales"):
         ql.quant_linear(torch.randn(2, 64), w._replace(scales=w.scales[:, :1]))
+    with pytest.raises(ValueError, match="bias must be"):
+        ql.quant_linear(torch.randn(2, 64), w, torch.zeros(7))
     with pytest.raises(ValueError, match="4 or 8"):
         ql.quant_linear(torch.randn(2, 64), w._replace(bits=3))
 

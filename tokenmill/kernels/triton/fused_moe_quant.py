@@ -99,8 +99,10 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
                         num_stages: int) -> None:
     sorted_pair_ids, tile_expert_ids, num_post = aligned
     num_pairs, n = c.shape
-    # 64-wide N tiles as the 16-bit kernel; BLOCK_K 16 packed words (quant_linear.block_k_for).
-    block_n, block_k = 64, block_k_for(w.bits)
+    # BLOCK_K: 16 packed words (quant_linear.block_k_for). BLOCK_N 64 as the 16-bit kernel, 32 for a few
+    # pairs (decode): T = 1, top-8 of Qwen3-30B-A3B has 8 tiles x 1536 / 64 = 192 programs for 132 SMs,
+    # too few to keep HBM busy; 32-wide tiles double them.
+    block_n, block_k = (32 if num_pairs <= 64 else 64), block_k_for(w.bits)
     mode, gsize, g_idx = kernel_groups(w, block_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
     gi = g_idx if g_idx is not None else w.qweight

@@ -392,7 +392,7 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     ~4 programs per SM, so decode streams the weights from every SM (a 4096-wide layer has only 64 N
     tiles for 132 SMs). Medium M uses 32/64/128-row tiles by M and 128-wide N tiles (the dequantized
     weight tile is reused by all rows of the tile; 128 x 128 tiles are the usual sweet spot of Triton
-    GEMMs on Ampere/Hopper), splitting K only while the output tiles are fewer than the SMs. cc < 8.0
+    GEMMs on Ampere/Hopper), splitting K only while the output tiles are fewer than 2 per SM. cc < 8.0
     (no cp.async: one stage): BLOCK_M = next power of two of M (<= 8), BLOCK_N 64 (32 for BLOCK_M 8), the
     float32 [BLOCK_N, BLOCK_M, 16] per-position product at most 4K elements (32 registers per thread).
     Register use was checked with ptxas -v (sm_90a, sm_70): no spills for these tiles.
@@ -419,7 +419,9 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     k_tiles = triton.cdiv(k, bk)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split_k is None:
-        target = 4 * num_sms if path == "splitk" else num_sms
+        # Programs wanted: ~4 per SM for the memory-bound small-M kernel (enough loads in flight to
+        # stream HBM), ~2 per SM for the tiled GEMM (whose extra K slices cost float32 partial traffic).
+        target = 4 * num_sms if path == "splitk" else 2 * num_sms
         split_k = max(1, min(target // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
     split_k = max(1, min(split_k, k_tiles))
     # Even K slices; recompute the count so that no slice is empty.
@@ -485,7 +487,8 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
     """y = x @ W^T (+ bias), W = dequantize(w) [N, K] (module docstring for the paths and numerics).
 
     Args:
-        x: [M, K] float16 / bfloat16 / float32, any strides (CUDA, or CPU under TRITON_INTERPRET=1).
+        x: [M, K] (or [..., K], flattened) float16 / bfloat16 / float32, any strides (CUDA, or CPU
+            under TRITON_INTERPRET=1).
         w: int4/int8 weight in the `quant_pack` layout, no expert dim; its tensors may be strided
             views (TP shards: sliced qweight / group columns, sliced g_idx).
         bias: [N] or None.
@@ -494,23 +497,30 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
         capability: plan for this compute capability instead of the device's effective one (tests).
 
     Returns:
-        [M, N] in x's dtype; every element written.
+        [M, N] (or [..., N]) in x's dtype; every element written.
 
     Raises:
-        ValueError: x's last dim is not w.in_features, or w's tensors disagree with its bits / groups.
+        ValueError: x's last dim is not w.in_features, bias is not [N], or w's tensors disagree with its
+            bits / groups.
     """
     check_quant_tensors(w)
-    if x.dim() != 2 or x.shape[1] != w.in_features:
+    if x.dim() < 1 or x.shape[-1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], not {tuple(x.shape)}.")
-    m = x.shape[0]
     n = w.qweight.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], not {tuple(bias.shape)}.")
+    lead = x.shape[:-1]
+    x = x.reshape(-1, w.in_features)
+    m = x.shape[0]
+    if m == 0:
+        return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
     cap, sms = device_facts(x.device)
     plan = plan_quant_linear(m, n, w, capability or cap, sms, small_m_max, large_m_min, split_k)
-    if m == 0:
-        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     if plan.path == "cublas":
-        return _cublas_linear(x, dequantize_weight(w, x.dtype), bias)
-    return _launch_matmul(x, w, bias, plan)
+        y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
+    else:
+        y = _launch_matmul(x, w, bias, plan)
+    return y.reshape(*lead, n)
 
 
 def dequantize_weight(w: QuantTensors, dtype: torch.dtype) -> torch.Tensor:
