@@ -123,3 +123,18 @@ def test_gpu_qwen3_moe_shapes(num_tokens, dtype, bits, group_size, zeros, act_or
     ref = fused_experts_reference(x.float(), dense(w13, dtype).float(), dense(w2, dtype).float(), weights, ids)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_gpu_qwen3_moe_shapes_cc70_settings(monkeypatch, num_tokens):
+    # The cc-7.0 plan (float16, one pipeline stage), as TOKENMILL_FORCE_CC70=1 makes it on this GPU.
+    import tokenmill.kernels.triton.fused_moe_quant as moe_quant
+
+    monkeypatch.setattr(moe_quant, "device_facts", lambda device: ((7, 0), 80))
+    w13, w2 = _experts(128, 2048, 768, 4, 128, True, False, dtype=torch.float16)
+    x, weights, ids = _routing(num_tokens, 2048, 128, 8, dtype=torch.float16)
+    out = fused_experts_quant_triton(x, w13, w2, weights, ids)
+    ref = fused_experts_reference(x.float(), dense(w13, torch.float16).float(), dense(w2, torch.float16).float(),
+                                  weights, ids)
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 5e-3

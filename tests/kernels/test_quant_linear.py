@@ -69,6 +69,17 @@ def test_paths_match_dequantize_then_matmul(nan_outputs, path, bits, group_size,
     _check(ql.quant_linear(x, w, None, **PATHS[path]), x, w, None)
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
+    # Default plan at cc 9.0 (the interpreter's device facts): split-K up to 16 rows, the tiled GEMM above
+    # (300 rows: three 128-row tiles, the last one partial); large_m_min = 256 sends 300 rows to cuBLAS.
+    w = random_quant(37, 200, 4, 32, True, False, device=DEV, seed=m)
+    x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(DEV)
+    _check(ql.quant_linear(x, w, capability=(9, 0)), x, w)
+    if m == 300:
+        _check(ql.quant_linear(x, w, large_m_min=256, capability=(9, 0)), x, w)
+
+
 @pytest.mark.parametrize("path", ["splitk", "splitk_cc70", "tiled", "cublas_cc70"])
 def test_k_not_a_multiple_of_the_pack_factor(nan_outputs, path):
     # K = 45 with 4-bit: the last word carries 5 values and 3 zero nibbles; group 32 leaves a short last group.

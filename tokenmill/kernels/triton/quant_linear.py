@@ -235,6 +235,7 @@ def quant_matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
+    offs_m = offs_m.to(tl.int64)  # row offsets of x / out may pass 2^31 elements at large M
     n_mask = offs_n < N
     k_start = pid_k * k_tiles_per_split
     k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
