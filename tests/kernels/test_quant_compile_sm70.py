@@ -1,0 +1,114 @@
+"""Compile the quantized-weight Triton kernels for sm_70 (V100) and sm_90 (H100/H200) without a GPU.
+
+Same mechanism as test_triton_compile_sm70.py: triton.compile with an
+explicit GPUTarget lowers to PTX and assembles a cubin with the ptxas in the
+triton wheel, in a subprocess without TRITON_INTERPRET. The variants are the
+launch settings `plan_quant_linear` and the MoE wrapper pick on each device:
+cc 7.0 split-K without tl.dot (float16, one stage), the dequantize kernel
+(cuBLAS path), the grouped MoE kernel (tl.dot as FMA there); cc 9.0 the
+tl.dot split-K / tiled kernels in bfloat16. ptxas -v (the one in the triton
+wheel) checks that none of them spills registers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from optional_deps import require
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, re, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_matmul_kernel, splitk_reduce_kernel
+    from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
+
+    def compile_one(name, kernel, cc, ptrs, cx, warps, stages):
+        sig = {n: ptrs.get(n, "i32") for n in kernel.arg_names}
+        sig.update({n: "constexpr" for n in cx})
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=cx)
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
+        target = [l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")]
+        # ptxas -v on the same PTX: registers and spills of the launch configuration.
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(k.asm["ptx"])
+            f.flush()
+            log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={target[0]}", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, check=True).stderr
+        return dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
+                    registers=int(re.search(r"Used (\\d+) registers", log).group(1)),
+                    spill_bytes=sum(int(b) for b in re.findall(r"(\\d+) bytes spill", log)))
+
+    def mm_ptrs(act, out):
+        return {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "z_ptr": "*u8", "g_ptr": "*i32", "bias_ptr": act, "out_ptr": out}
+
+    def mm_cx(bits, mode, dot, partial, bm, bn, bk, fp16):
+        return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, USE_DOT=dot, IEEE_FP32=False,
+                    PARTIAL=partial, CLAMP_FP16=fp16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+
+    results = []
+    # cc 7.0, float16: split-K without tl.dot (M = 1 and M = 8 tiles), act-order gather, 8-bit; its reduce;
+    # the dequantize kernel of the cuBLAS path; the grouped MoE kernel.
+    results.append(compile_one("splitk_m1_g128", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp32"),
+                               mm_cx(4, 0, False, True, 1, 64, 128, True), 4, 1))
+    results.append(compile_one("splitk_m8_actorder", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp16"),
+                               mm_cx(4, 2, False, False, 8, 32, 128, True), 4, 1))
+    results.append(compile_one("splitk_m2_int8", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp32"),
+                               mm_cx(8, 0, False, True, 2, 64, 64, True), 4, 1))
+    results.append(compile_one("splitk_reduce", splitk_reduce_kernel, 70, {"partial_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16"},
+                               dict(SPLIT_K=8, HAS_BIAS=True, CLAMP_FP16=True, BLOCK=1024), 4, 1))
+    deq_ptrs = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "out_ptr": "*fp16"}
+    results.append(compile_one("dequantize", dequantize_kernel, 70, deq_ptrs,
+                               dict(BITS=4, HAS_ZEROS=True, GROUP_MODE=0, BLOCK_N=32, BLOCK_K=64), 4, 1))
+    moe_ptrs = {"a_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "c_ptr": "*fp16",
+                "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
+                "num_pairs_post_padded_ptr": "*i32"}
+    moe_cx = dict(TOP_K_DIV=8, MUL_ROUTED_WEIGHT=False, BITS=4, HAS_ZEROS=True, GROUP_MODE=0, IEEE_FP32=False,
+                  CLAMP_FP16=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 70, moe_ptrs, moe_cx, 4, 1))
+    # cc 9.0, bfloat16: split-K with tl.dot on 16-row tiles, the 128 x 128 tiled GEMM, the MoE kernel.
+    results.append(compile_one("splitk_dot_m16", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*fp32"),
+                               mm_cx(4, 0, True, True, 16, 64, 128, False), 4, 3))
+    results.append(compile_one("splitk_dot_m16_g32", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*fp32"),
+                               mm_cx(4, 1, True, True, 16, 64, 128, False), 4, 3))
+    results.append(compile_one("tiled_m128", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*bf16"),
+                               mm_cx(4, 0, True, False, 128, 128, 128, False), 8, 3))
+    bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}
+    results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.slow
+def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
+    require("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["kernel"], r["cc"]) for r in results] == [
+        ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("splitk_reduce", 70),
+        ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
+        ("moe_grouped", 90),
+    ]
+    for r in results:
+        assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r
+        assert r["cubin_bytes"] > 0, r
+        # Shared memory per block: V100 allows 96 KiB, H100/H200 227 KiB.
+        assert r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r
+        # The planned tiles fit the register file: no spills to local memory (a spill in a memory-bound
+        # kernel costs more HBM traffic than the 4-bit weights save).
+        assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
