@@ -18,6 +18,8 @@
 #   moe      offline_bench.py --part offline --config qwen3-30b-a3b.json --hf-prompts 0
 #   prefix   prefix_cache_bench.py, 200 requests, Llama-3.1-8B config
 #   tp       tp_bench.py (TP=1 vs TP=2; two GPUs)
+#   qktests  the int4/int8 and FP8 kernel tests only (GPU-marked ones run at real sizes)
+#   fp8k     fp8_gemm.py --cc70: FP8 GEMMs vs bf16 at Llama-3.1-8B shapes
 #   quantk   quant_gemm.py: int4/int8 kernels vs bf16 at Llama-3.1-8B / Qwen3-30B-A3B shapes
 #   qtpot-awq, qtpot-gptq, qoffline-awq, qoffline-gptq   tpot / offline with the W4A16 configs
 #            (benchmarks/configs/llama-3.1-8b-{awq,gptq}.json: dummy 4-bit weights, group 128)
@@ -48,7 +50,9 @@ for spec in "$@"; do
     moe)     cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/moe.json" ;;
     prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 8 --output-len 32 --json-out $OUT/prefix.json" ;;
     tp)      cmd="python benchmarks/gpu/tp_bench.py --json-out $OUT/tp.json" ;;
-    quantk)  cmd="python benchmarks/gpu/quant_gemm.py" ;;
+    quantk)  cmd="python benchmarks/gpu/quant_gemm.py --json-out $OUT/quant_gemm.json" ;;
+    qktests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_quant_linear.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_quant_pack.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_reference.py" ;;
+    fp8k)    cmd="python benchmarks/gpu/fp8_gemm.py --cc70" ;;
     qtpot-awq|qtpot-gptq|qoffline-awq|qoffline-gptq)
              m=${part#*-}; p=${part%-*}; p=${p#q}
              cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
