@@ -22,11 +22,13 @@ DEV = "cuda" if CUDA else "cpu"
 
 # Keyword overrides that force each path on tiny shapes (M <= 40 below).
 PATHS = {
-    "splitk": dict(small_m_max=64),
-    "splitk_cc70": dict(small_m_max=64, capability=(7, 0)),
-    "tiled": dict(small_m_max=0, large_m_min=1 << 20),
-    "cublas": dict(small_m_max=0, large_m_min=0),
-    "cublas_cc70": dict(small_m_max=0, capability=(7, 0)),
+    "gemv": dict(gemv_m_max=64),
+    "gemv_cc70": dict(gemv_m_max=64, capability=(7, 0)),
+    "splitk": dict(small_m_max=64, gemv_m_max=0),
+    "splitk_cc70": dict(small_m_max=64, gemv_m_max=0, capability=(7, 0)),
+    "tiled": dict(small_m_max=0, large_m_min=1 << 20, gemv_m_max=0),
+    "cublas": dict(small_m_max=0, large_m_min=0, gemv_m_max=0),
+    "cublas_cc70": dict(small_m_max=0, gemv_m_max=0, capability=(7, 0)),
 }
 
 
@@ -80,7 +82,7 @@ def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
         _check(ql.quant_linear(x, w, large_m_min=256, capability=(9, 0)), x, w)
 
 
-@pytest.mark.parametrize("path", ["splitk", "splitk_cc70", "tiled", "cublas_cc70"])
+@pytest.mark.parametrize("path", ["gemv", "splitk", "splitk_cc70", "tiled", "cublas_cc70"])
 def test_k_not_a_multiple_of_the_pack_factor(nan_outputs, path):
     # K = 45 with 4-bit: the last word carries 5 values and 3 zero nibbles; group 32 leaves a short last group.
     w = random_quant(19, 45, 4, 32, True, False, device=DEV, seed=3)
@@ -156,19 +158,62 @@ def test_plan_thresholds_and_split_k():
     w = random_quant(8, 4096, 4, 128, True, False)  # planning reads shapes only
     w = w._replace(in_features=4096)
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
-    assert [plan(m, 4096, (9, 0)).path for m in (1, 16, 17, 1024, 1025)] == \
-        ["splitk", "splitk", "tiled", "tiled", "cublas"]
-    assert [plan(m, 4096, (7, 0)).path for m in (1, 8, 9, 300)] == ["splitk", "splitk", "cublas", "cublas"]
-    assert not plan(4, 4096, (7, 0)).use_dot and plan(4, 4096, (9, 0)).use_dot
-    assert plan(1, 4096, (7, 0)).num_stages == 1
-    decode = plan(1, 4096, (9, 0))
+    assert [plan(m, 4096, (9, 0)).path for m in (1, 4, 5, 16, 17, 1024, 1025)] == \
+        ["gemv", "gemv", "splitk", "splitk", "tiled", "tiled", "cublas"]
+    assert [plan(m, 4096, (7, 0)).path for m in (1, 4, 5, 8, 9, 300)] == \
+        ["gemv", "gemv", "splitk", "splitk", "cublas", "cublas"]
+    assert not plan(5, 4096, (7, 0)).use_dot and plan(5, 4096, (9, 0)).use_dot
+    assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(5, 4096, (7, 0)).num_stages == 1
+    assert plan(3, 4096, (9, 0)).block_m == 4  # the GEMV loops over a power of two of rows
+    gemv = plan(1, 4096, (9, 0))
+    assert gemv.split_k > 1 and (gemv.split_k - 1) * -(-32 // gemv.split_k) < 32  # 4096 / 128: 32 K tiles
+    decode = plan(5, 4096, (9, 0))
     assert decode.split_k > 1 and decode.block_k == 128  # 64 N tiles alone would leave SMs idle
     k_tiles = 4096 // decode.block_k
     per = -(-k_tiles // decode.split_k)
     assert (decode.split_k - 1) * per < k_tiles  # no empty K slice
-    assert plan(1, 28672, (9, 0)).split_k == 1  # 448 N tiles fill the GPU
+    assert plan(5, 28672, (9, 0)).split_k == 1  # 448 N tiles fill the GPU
     assert plan(64, 4096, (9, 0)).block_k == 128 and plan(300, 4096, (9, 0)).block_m == 128
-    assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132).block_k == 64  # 16 words of 4 values
+    assert ql.plan_quant_linear(5, 4096, w._replace(bits=8), (9, 0), 132).block_k == 64  # 16 words of 4 values
+    assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132).block_k == 4 * ql.GEMV_BLOCK_KW
+
+
+@pytest.mark.parametrize("bits,group_size,zeros,act_order", [
+    (4, 32, True, False), (4, 64, False, False), (4, 128, True, False), (4, -1, True, False),
+    (8, 32, False, False), (8, 128, True, False), (8, -1, False, False), (4, 64, True, True), (8, 32, True, True),
+])
+@pytest.mark.parametrize("block_kw", [4, 16])
+def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, block_kw):
+    # K = 300: not a multiple of any K step (4 words: 16 / 32 columns per step puts a group boundary inside the
+    # tile for group 32 -> per-word groups; 16 words: 64 / 128 columns), N = 21 not a multiple of BLOCK_N 8.
+    n, k = 21, 300
+    w = random_quant(n, k, bits, group_size, zeros, act_order, device=DEV, seed=bits * group_size + block_kw)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(DEV)
+    p = 32 // bits
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+        for split_k in (1, 3):
+            plan = ql.QuantLinearPlan("gemv", block_m=4 if m > 2 else m, block_n=8, block_k=block_kw * p,
+                                      split_k=split_k, use_dot=False, num_warps=2)
+            _check(ql.quant_linear(x, w, bias if m % 2 else None, plan=plan), x, w, bias if m % 2 else None)
+
+
+def test_gemv_plan_needs_block_m_at_least_m():
+    w = random_quant(8, 64, 4, 32, True, False, device=DEV)
+    with pytest.raises(ValueError, match="block_m"):
+        ql.quant_linear(torch.randn(3, 64).to(DEV), w, plan=ql.QuantLinearPlan("gemv", 2, 8, 64, 1, False))
+
+
+@pytest.mark.parametrize("path", ["splitk", "tiled"])
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 128, False), (4, 32, False), (8, 64, True), (4, 50, False)])
+def test_one_dot_variant(nan_outputs, path, bits, group_size, act_order):
+    # The single-tl.dot tile (float32 activations: the interpreter's bfloat16 dot is wrong).
+    w = random_quant(37, 300, bits, group_size, True, act_order, device=DEV, seed=11)
+    x = torch.randn(20, 300, generator=torch.Generator().manual_seed(6)).to(DEV)
+    bk = 16 * (32 // bits)
+    plan = ql.QuantLinearPlan(path, block_m=16 if path == "splitk" else 32, block_n=32, block_k=bk,
+                              split_k=2 if path == "splitk" else 1, one_dot=True)
+    _check(ql.quant_linear(x, w, plan=plan), x, w)
 
 
 def test_kernel_group_modes():

@@ -23,6 +23,8 @@ sync, not CUDA-graph safe). Accumulation is float32 on every device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,7 @@ def grouped_quant_gemm_kernel(
     GROUP_MODE: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     CLAMP_FP16: tl.constexpr,
+    ONE_DOT: tl.constexpr,  # quant_linear._accumulate_tile's single-dot variant
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -84,7 +87,7 @@ def grouped_quant_gemm_kernel(
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         acc = _accumulate_tile(acc, a_ptr, a_rows, pair_mask, stride_am, stride_ak, qw_e, s_e, z_e, g_e, offs_n, n_mask,
                                kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn,
-                               stride_zg, BITS, HAS_ZEROS, GROUP_MODE, True, IEEE_FP32, BLOCK_K)
+                               stride_zg, BITS, HAS_ZEROS, GROUP_MODE, True, IEEE_FP32, BLOCK_K, ONE_DOT)
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
         acc = acc * rw[None, :]
@@ -94,15 +97,33 @@ def grouped_quant_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & pair_mask[None, :])
 
 
+@dataclass(frozen=True)
+class GroupedQuantConfig:
+    """Launch settings of `grouped_quant_gemm_kernel` (0 / None: the default picked per call).
+
+    block_k is in K columns (a multiple of 16 * p: each per-position dot needs K >= 16); one_dot: one tl.dot
+    per K tile on the unpacked [BLOCK_N, BLOCK_K] tile instead of p dots of BLOCK_K / p.
+    """
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 0
+    one_dot: bool = False
+
+
 def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_weights: torch.Tensor | None,
                         aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k_div: int, block_m: int,
-                        num_stages: int) -> None:
+                        num_stages: int, config: GroupedQuantConfig | None = None) -> None:
     sorted_pair_ids, tile_expert_ids, num_post = aligned
     num_pairs, n = c.shape
+    cfg = config or GroupedQuantConfig()
     # BLOCK_K: 16 packed words (quant_linear.block_k_for). BLOCK_N 64 as the 16-bit kernel, 32 for a few
     # pairs (decode): T = 1, top-8 of Qwen3-30B-A3B has 8 tiles x 1536 / 64 = 192 programs for 132 SMs,
     # too few to keep HBM busy; 32-wide tiles double them.
-    block_n, block_k = (32 if num_pairs <= 64 else 64), block_k_for(w.bits)
+    block_n = cfg.block_n or (32 if num_pairs <= 64 else 64)
+    block_k = cfg.block_k or block_k_for(w.bits)
     mode, gsize, g_idx = kernel_groups(w, block_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
     gi = g_idx if g_idx is not None else w.qweight
@@ -118,8 +139,8 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
         c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BITS=w.bits,
         HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, IEEE_FP32=a.dtype == torch.float32,
-        CLAMP_FP16=c.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=num_stages,
+        CLAMP_FP16=c.dtype == torch.float16, ONE_DOT=cfg.one_dot, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages or num_stages,
     )
 
 
@@ -131,6 +152,7 @@ def fused_experts_quant_triton(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     block_m: int | None = None,
+    config: GroupedQuantConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `fused_experts_triton` / `fused_experts_reference`, with quantized expert weights.
 
@@ -143,6 +165,8 @@ def fused_experts_quant_triton(
         activation: "silu" or "gelu" (`moe_activation.act_and_mul`).
         block_m: rows per tile (16 or more, a power of two); default 16 for up to 1024 pairs (decode:
             most tiles hold one or two pairs), 64 otherwise (the expert tile is reused by more rows).
+        config: launch settings of both grouped GEMMs (`GroupedQuantConfig`; its block_m, when set, wins
+            over `block_m`); None: the defaults (sweeps: benchmarks/gpu/sweep_quant.py).
 
     Returns:
         [T, H] in hidden_states' dtype: sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]),
@@ -162,17 +186,19 @@ def fused_experts_quant_triton(
                          f"size {hidden_size} (w13 must be [E, 2I, H], w2 [E, H, I]).")
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    if config is not None and config.block_m:
+        block_m = config.block_m
     if block_m is None:
         block_m = 16 if num_pairs <= 1024 else 64
     cap, _ = device_facts(hidden_states.device)
     num_stages = 1 if tuple(cap) < (8, 0) else 2
     aligned = moe_align_block_size(topk_ids, block_m, num_experts)
     gate_up = _ql._new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
-    _grouped_quant_gemm(hidden_states, w13, gate_up, None, aligned, top_k, block_m, num_stages)
+    _grouped_quant_gemm(hidden_states, w13, gate_up, None, aligned, top_k, block_m, num_stages, config)
     inter = act_and_mul(gate_up, activation)
     down = _ql._new_output((num_pairs, hidden_size), torch.float32, hidden_states.device)
     _grouped_quant_gemm(inter, w2, down, topk_weights.reshape(-1).float().contiguous(), aligned, 1, block_m,
-                        num_stages)
+                        num_stages, config)
     out = down.view(num_tokens, top_k, hidden_size).sum(dim=1)
     if hidden_states.dtype == torch.float16:
         out = out.clamp_(-65504.0, 65504.0)

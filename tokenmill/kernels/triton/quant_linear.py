@@ -75,6 +75,15 @@ FP16_MAX = 65504.0
 SMALL_M_MAX = 16
 LARGE_M_MIN = 1024
 SMALL_M_MAX_CC70 = 8
+# M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the no-tl.dot GEMV kernel (`quant_gemv_kernel`).
+GEMV_M_MAX = 4
+GEMV_M_MAX_CC70 = 4
+# GEMV launch settings: rows per program, packed words per K step, warps, stages, programs wanted per SM.
+GEMV_BLOCK_N = 16
+GEMV_BLOCK_KW = 32
+GEMV_WARPS = 4
+GEMV_STAGES = 3
+GEMV_PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -146,7 +155,7 @@ def _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, g, g_mask, stride_sn, stride_sg,
 def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask,
                      k0, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
                      BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_MODE: tl.constexpr, USE_DOT: tl.constexpr,
-                     IEEE_FP32: tl.constexpr, BLOCK_K: tl.constexpr):
+                     IEEE_FP32: tl.constexpr, BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc^T [BLOCK_N, R] += W[offs_n, k0:k0+BLOCK_K] @ x[rows, k0:k0+BLOCK_K]^T, W dequantized in registers.
 
     The [BLOCK_N, BLOCK_K / p] tile of packed words is loaded once (contiguous along K: vector loads) and
@@ -156,37 +165,62 @@ def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s
     The dequantized weight is the dot's A operand, straight from registers; x^T the B operand.
     GROUP_MODE 0: one group for the whole tile (k0 // group_size); 1: group (k0 + w * p) // group_size,
     the same for every j because group_size is a multiple of p; 2: act-order, g_idx[k] per column.
+    ONE_DOT (with USE_DOT): instead unpack the words into a [BLOCK_N, BLOCK_K] tile (tl.reshape, k = word * p
+    + j) and issue one tl.dot with K = BLOCK_K (fewer, larger MMAs; more registers).
     """
     P: tl.constexpr = 32 // BITS
     BLOCK_W: tl.constexpr = BLOCK_K // P
     offs_w = k0 // P + tl.arange(0, BLOCK_W)
     words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :] * stride_qk,
                     mask=n_mask[:, None] & (offs_w < tl.cdiv(K, P))[None, :], other=0)
-    if GROUP_MODE == 0:
-        s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, n_mask,
-                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
-    elif GROUP_MODE == 1:
-        s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, (offs_w * P) // group_size, offs_w * P < K,
-                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
-    for j in tl.static_range(P):
-        offs_k = offs_w * P + j
-        k_mask = offs_k < K
-        if GROUP_MODE == 2:
-            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-            s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, g, k_mask,
-                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
-        w = (((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_W]
-        if USE_DOT:
-            xt = tl.load(x_ptr + rows[None, :] * stride_xm + offs_k[:, None] * stride_xk,
-                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)  # [BLOCK_W, R]
-            if IEEE_FP32:
-                acc += tl.dot(w, xt, input_precision="ieee")
-            else:
-                acc += tl.dot(w.to(xt.dtype), xt)
+    if ONE_DOT and USE_DOT:
+        shifts = tl.arange(0, P) * BITS
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (offs_n.shape[0], BLOCK_K))
+        offs_kk = k0 + tl.arange(0, BLOCK_K)
+        kk_mask = offs_kk < K
+        if GROUP_MODE == 0:
+            s1, z1 = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, n_mask,
+                                   stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
+        elif GROUP_MODE == 1:
+            s1, z1 = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, offs_kk // group_size, kk_mask,
+                                   stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
         else:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [R, BLOCK_W]
-            acc += tl.sum(w[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+            gk = tl.load(g_ptr + offs_kk, mask=kk_mask, other=0)
+            s1, z1 = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, gk, kk_mask,
+                                   stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+        w1 = (q.to(tl.float32) - z1) * s1  # [BLOCK_N, BLOCK_K]
+        xk = tl.load(x_ptr + rows[None, :] * stride_xm + offs_kk[:, None] * stride_xk,
+                     mask=kk_mask[:, None] & row_mask[None, :], other=0.0)  # [BLOCK_K, R]
+        if IEEE_FP32:
+            acc += tl.dot(w1, xk, input_precision="ieee")
+        else:
+            acc += tl.dot(w1.to(xk.dtype), xk)
+    else:
+        if GROUP_MODE == 0:
+            s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, n_mask,
+                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
+        elif GROUP_MODE == 1:
+            s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, (offs_w * P) // group_size, offs_w * P < K,
+                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+        for j in tl.static_range(P):
+            offs_k = offs_w * P + j
+            k_mask = offs_k < K
+            if GROUP_MODE == 2:
+                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+                s, z = _scales_zeros(s_ptr, z_ptr, offs_n, n_mask, g, k_mask,
+                                     stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+            w = (((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_W]
+            if USE_DOT:
+                xt = tl.load(x_ptr + rows[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                             mask=k_mask[:, None] & row_mask[None, :], other=0.0)  # [BLOCK_W, R]
+                if IEEE_FP32:
+                    acc += tl.dot(w, xt, input_precision="ieee")
+                else:
+                    acc += tl.dot(w.to(xt.dtype), xt)
+            else:
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [R, BLOCK_W]
+                acc += tl.sum(w[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
     return acc
 
 
@@ -210,6 +244,7 @@ def quant_matmul_kernel(
     IEEE_FP32: tl.constexpr,  # exact float32 dots for float32 activations
     PARTIAL: tl.constexpr,  # write float32 partials of this K slice (split-K)
     CLAMP_FP16: tl.constexpr,
+    ONE_DOT: tl.constexpr,  # `_accumulate_tile`'s single-dot variant
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -243,7 +278,8 @@ def quant_matmul_kernel(
     for kt in range(k_start, k_end):
         acc = _accumulate_tile(acc, x_ptr, offs_m, m_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr,
                                offs_n, n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
-                               stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K)
+                               stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K,
+                               ONE_DOT)
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, acc,
@@ -271,6 +307,101 @@ def splitk_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.cons
     if CLAMP_FP16:
         acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quant_gemv_kernel(
+    x_ptr,  # [M, K] float16 / bfloat16 / float32
+    qw_ptr,  # int32 [N, ceil(K / p)]
+    s_ptr,  # [N, ngroups]
+    z_ptr,  # uint8 [N, ngroups] (read when HAS_ZEROS)
+    g_ptr,  # int32 [K] (read when GROUP_MODE == 2)
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    out_ptr,  # [M, N] in x's dtype, or float32 partials [SPLIT_K, M, N] when PARTIAL
+    M, N, K, group_size, k_tiles_per_split,
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
+    stride_os, stride_om, stride_on,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    GROUP_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    CLAMP_FP16: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows of x handled by the program (a power of two >= M); weights read once for all
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,  # packed words per row per step (BLOCK_KW * p K columns)
+):
+    """Memory-bound GEMV for a few rows of x: out[m, n] (+)= sum_k x[m, k] W[n, k] over the K slice of
+    program_id(1), output rows n of program_id(0); no tl.dot.
+
+    Each step loads a [BLOCK_N, BLOCK_KW] tile of packed words (contiguous along K: vector loads), unpacks
+    it with shifts into [BLOCK_N, BLOCK_KW, p] (value j of word w is column (k0 / p + w) * p + j) and
+    multiplies it with x loaded as a [BLOCK_KW, p] tile at the same offsets (no reshape), reducing with
+    tl.sum in float32. GROUP_MODE 0 (one group per tile): the scale and zero point are applied once per
+    tile and row, s * (sum q x - z * sum x); 1: group per word; 2: act-order, group g_idx[k] per column.
+    """
+    P: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KW * P
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_n64 = offs_n.to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    kw_total = tl.cdiv(K, P)
+    shifts = tl.arange(0, P) * BITS
+    k_start = pid_k * k_tiles_per_split
+    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(k_start, k_end):
+        offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
+        words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
+                        mask=n_mask[:, None] & (offs_w < kw_total)[None, :], other=0)
+        q = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)  # [BN, BKW, P]
+        offs_k = offs_w[:, None] * P + tl.arange(0, P)[None, :]  # [BKW, P]
+        k_mask = offs_k < K
+        if GROUP_MODE == 0:
+            s, z = _scales_zeros(s_ptr, z_ptr, offs_n64, n_mask, (kt * BLOCK_K) // group_size, n_mask,
+                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
+            s = tl.reshape(s, (BLOCK_N,))
+            z = tl.reshape(z, (z.shape[0],))
+            w = q
+        else:
+            if GROUP_MODE == 1:
+                gw = (offs_w * P) // group_size
+                s, z = _scales_zeros(s_ptr, z_ptr, offs_n64, n_mask, gw, offs_w < kw_total,
+                                     stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
+                w = (q - z[:, :, None]) * s[:, :, None]
+            else:
+                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)  # [BKW, P]
+                mask3 = n_mask[:, None, None] & k_mask[None, :, :]
+                s3 = tl.load(s_ptr + offs_n64[:, None, None] * stride_sn + g[None, :, :] * stride_sg, mask=mask3,
+                             other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z3 = tl.load(z_ptr + offs_n64[:, None, None] * stride_zn + g[None, :, :] * stride_zg,
+                                 mask=mask3, other=0).to(tl.float32)
+                    w = (q - z3) * s3
+                else:
+                    w = (q - (1 << (BITS - 1))) * s3
+        for mi in tl.static_range(BLOCK_M):
+            row_ok = mi < M
+            xt = tl.load(x_ptr + mi * stride_xm + offs_k * stride_xk, mask=k_mask & row_ok, other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+            if GROUP_MODE == 0:
+                part = s * (part - z * tl.sum(tl.sum(xt, axis=1), axis=0))
+            acc += tl.where(rows[None, :] == mi, part[:, None], 0.0)
+    m_mask = rows < M
+    mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + offs_n64[:, None] * stride_on, acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if CLAMP_FP16:
+            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+        tl.store(out_ptr + rows[None, :] * stride_om + offs_n64[:, None] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -361,7 +492,13 @@ def device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
 
 @dataclass(frozen=True)
 class QuantLinearPlan:
-    """How `quant_linear` computes one call: `path` "splitk" | "tiled" | "cublas", and the launch settings."""
+    """How `quant_linear` computes one call, and its launch settings.
+
+    path: "gemv" (`quant_gemv_kernel`), "splitk" / "tiled" (`quant_matmul_kernel`), "cublas" (dequantize +
+    F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
+    of K slices (float32 partials + `splitk_reduce_kernel` when > 1); use_dot False: float32 FMAs instead of
+    tl.dot in `quant_matmul_kernel`. Pass one to `quant_linear(plan=...)` to override the planner (sweeps).
+    """
 
     path: str
     block_m: int = 0
@@ -371,6 +508,7 @@ class QuantLinearPlan:
     use_dot: bool = True
     num_warps: int = 4
     num_stages: int = 1
+    one_dot: bool = False  # tiled/splitk: unpack the tile to [BLOCK_N, BLOCK_K] and issue one tl.dot
 
 
 def block_k_for(bits: int) -> int:
@@ -382,11 +520,14 @@ def block_k_for(bits: int) -> int:
 
 def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, int], num_sms: int,
                       small_m_max: int | None = None, large_m_min: int | None = None,
-                      split_k: int | None = None) -> QuantLinearPlan:
+                      split_k: int | None = None, gemv_m_max: int | None = None) -> QuantLinearPlan:
     """Pick the path and tiles for x [m, K] @ W^T [K, n] on a device of `capability` with `num_sms` SMs.
 
-    small_m_max / large_m_min override the M thresholds (tests reach every path on tiny shapes);
-    split_k forces the number of K slices of the Triton paths.
+    small_m_max / large_m_min / gemv_m_max override the M thresholds (tests reach every path on tiny
+    shapes); split_k forces the number of K slices of the Triton paths.
+
+    M <= gemv_m_max (default GEMV_M_MAX, GEMV_M_MAX_CC70 on cc < 8.0): the GEMV kernel, GEMV_BLOCK_N rows x
+    GEMV_BLOCK_KW words per step, K split until there are ~GEMV_PROGRAMS_PER_SM programs per SM.
 
     BLOCK_K is `block_k_for(bits)` everywhere (128 for 4-bit, 64 for 8-bit). Tiles (H200-class,
     cc >= 8.0): small M uses 16-row (the smallest tl.dot) x 64 output tiles and splits K until there are
@@ -401,7 +542,12 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     cc70 = tuple(capability) < (8, 0)
     small = small_m_max if small_m_max is not None else (SMALL_M_MAX_CC70 if cc70 else SMALL_M_MAX)
     large = large_m_min if large_m_min is not None else (SMALL_M_MAX_CC70 if cc70 else LARGE_M_MIN)
+    gemv = gemv_m_max if gemv_m_max is not None else (GEMV_M_MAX_CC70 if cc70 else GEMV_M_MAX)
     k = w.in_features
+    if m <= gemv:
+        return finish_plan(QuantLinearPlan("gemv", triton.next_power_of_2(m), GEMV_BLOCK_N,
+                                           GEMV_BLOCK_KW * pack_factor(w.bits), 0, False, GEMV_WARPS,
+                                           1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k)
     if m > small and (m > large or cc70):
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
@@ -417,18 +563,32 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
         use_dot, warps, stages, path = True, 4 if bm <= 64 else 8, 3, "tiled"
     if cc70:
         stages = 1
+    return finish_plan(QuantLinearPlan(path, bm, bn, bk, 0, use_dot, warps, stages), m, n, k, num_sms, split_k)
+
+
+def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
+                split_k: int | None = None) -> QuantLinearPlan:
+    """`plan` with its split_k set: `split_k` if given, else plan.split_k if > 0, else from the programs wanted
+    per SM; clamped to the K tiles and made even (no empty slice). The "cublas" path is returned as is."""
+    if plan.path == "cublas":
+        return plan
+    path, bm, bn, bk = plan.path, plan.block_m, plan.block_n, plan.block_k
+    if split_k is None and plan.split_k > 0:
+        split_k = plan.split_k
     k_tiles = triton.cdiv(k, bk)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = (1 if path == "gemv" else triton.cdiv(m, bm)) * triton.cdiv(n, bn)
     if split_k is None:
         # Programs wanted: ~4 per SM for the memory-bound small-M kernel (enough loads in flight to
-        # stream HBM), ~2 per SM for the tiled GEMM (whose extra K slices cost float32 partial traffic).
-        target = 4 * num_sms if path == "splitk" else 2 * num_sms
+        # stream HBM), ~2 per SM for the tiled GEMM (whose extra K slices cost float32 partial traffic),
+        # GEMV_PROGRAMS_PER_SM for the GEMV (small programs, low registers).
+        target = {"splitk": 4, "tiled": 2}.get(path, GEMV_PROGRAMS_PER_SM) * num_sms
         split_k = max(1, min(target // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
     split_k = max(1, min(split_k, k_tiles))
     # Even K slices; recompute the count so that no slice is empty.
     per = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per)
-    return QuantLinearPlan(path, bm, bn, bk, split_k, use_dot, warps, stages)
+    return QuantLinearPlan(path, bm, bn, bk, split_k, plan.use_dot, plan.num_warps, plan.num_stages,
+                           plan.one_dot)
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -446,20 +606,34 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
     out = _new_output((m, n), x.dtype, x.device)
     target = _new_output((plan.split_k, m, n), torch.float32, x.device) if partial else out
     clamp = x.dtype == torch.float16
-    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
-    quant_matmul_kernel[grid](
-        x, w.qweight, w.scales, qz, g_idx if g_idx is not None else w.qweight,
-        bias if bias is not None else w.scales, target,
-        m, n, k, gsize, per,
-        x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
-        qz.stride(0), qz.stride(1),
-        target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
-        BITS=w.bits, HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, HAS_BIAS=bias is not None,
-        USE_DOT=plan.use_dot, IEEE_FP32=x.dtype == torch.float32, PARTIAL=partial, CLAMP_FP16=clamp,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    if plan.path == "gemv":
+        if plan.block_m < m:
+            raise ValueError(f"The GEMV plan's block_m {plan.block_m} is below M = {m}.")
+        quant_gemv_kernel[(triton.cdiv(n, plan.block_n), plan.split_k)](
+            x, w.qweight, w.scales, qz, g_idx if g_idx is not None else w.qweight,
+            bias if bias is not None else w.scales, target,
+            m, n, k, gsize, per,
+            x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
+            w.scales.stride(1), qz.stride(0), qz.stride(1),
+            target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
+            BITS=w.bits, HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, HAS_BIAS=bias is not None,
+            PARTIAL=partial, CLAMP_FP16=clamp, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            BLOCK_KW=plan.block_k // pack_factor(w.bits), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+    else:
+        quant_matmul_kernel[(triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)](
+            x, w.qweight, w.scales, qz, g_idx if g_idx is not None else w.qweight,
+            bias if bias is not None else w.scales, target,
+            m, n, k, gsize, per,
+            x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
+            w.scales.stride(1), qz.stride(0), qz.stride(1),
+            target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
+            BITS=w.bits, HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, HAS_BIAS=bias is not None,
+            USE_DOT=plan.use_dot, IEEE_FP32=x.dtype == torch.float32, PARTIAL=partial, CLAMP_FP16=clamp,
+            ONE_DOT=plan.one_dot, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
     if partial:
         block = 1024
         splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -484,7 +658,8 @@ def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None, *,
                  small_m_max: int | None = None, large_m_min: int | None = None, split_k: int | None = None,
-                 capability: tuple[int, int] | None = None) -> torch.Tensor:
+                 capability: tuple[int, int] | None = None, gemv_m_max: int | None = None,
+                 plan: QuantLinearPlan | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias), W = dequantize(w) [N, K] (module docstring for the paths and numerics).
 
     Args:
@@ -496,6 +671,9 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
         small_m_max, large_m_min: override the M thresholds (`SMALL_M_MAX`, `LARGE_M_MIN`; tests).
         split_k: force the K slices of the Triton paths (tests).
         capability: plan for this compute capability instead of the device's effective one (tests).
+        gemv_m_max: override `GEMV_M_MAX` (tests).
+        plan: use these launch settings instead of `plan_quant_linear`'s (sweeps); split_k 0 is filled in
+            by `finish_plan`, a "gemv" plan needs block_m >= M.
 
     Returns:
         [M, N] (or [..., N]) in x's dtype; every element written.
@@ -516,7 +694,10 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
     if m == 0:
         return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
     cap, sms = device_facts(x.device)
-    plan = plan_quant_linear(m, n, w, capability or cap, sms, small_m_max, large_m_min, split_k)
+    if plan is None:
+        plan = plan_quant_linear(m, n, w, capability or cap, sms, small_m_max, large_m_min, split_k, gemv_m_max)
+    else:
+        plan = finish_plan(plan, m, n, w.in_features, sms, split_k)
     if plan.path == "cublas":
         y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
     else:
