@@ -11,7 +11,7 @@ import torch
 from quant_helpers import column_shard, dense, random_quant, row_shard
 
 from tokenmill.kernels.triton import quant_linear as ql
-from tokenmill.kernels.triton.fused_moe_quant import fused_experts_quant_triton
+from tokenmill.kernels.triton.fused_moe_quant import GroupedQuantConfig, fused_experts_quant_triton
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
 
 CUDA = torch.cuda.is_available()
@@ -60,6 +60,18 @@ def test_matches_reference_on_dequantized_experts(nan_outputs, num_tokens, hidde
     x, weights, ids = _routing(num_tokens, hidden, num_experts, top_k)
     out = fused_experts_quant_triton(x, w13, w2, weights, ids, block_m=block_m)
     _check(out, x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("config", [
+    GroupedQuantConfig(block_m=32, block_n=16, block_k=256, num_warps=2, num_stages=2),  # 32 words per K tile
+    GroupedQuantConfig(block_m=16, block_n=32, one_dot=True),  # one tl.dot per K tile
+])
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 32, False), (4, 128, False), (8, 64, True)])
+def test_launch_config_overrides(nan_outputs, config, bits, group_size, act_order):
+    # H = 300, I = 72: not multiples of the K tiles (256 / 128 columns); groups inside one K tile.
+    w13, w2 = _experts(3, 300, 72, bits, group_size, True, act_order, seed=4)
+    x, weights, ids = _routing(7, 300, 3, 2)
+    _check(fused_experts_quant_triton(x, w13, w2, weights, ids, config=config), x, w13, w2, weights, ids)
 
 
 def test_gelu_and_group_64_and_128():

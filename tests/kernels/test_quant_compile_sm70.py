@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_matmul_kernel, splitk_reduce_kernel
+    from tokenmill.kernels.triton.quant_linear import (dequantize_kernel, quant_gemv_kernel, quant_matmul_kernel,
+                                                        splitk_reduce_kernel)
     from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
 
     def compile_one(name, kernel, cc, ptrs, cx, warps, stages):
@@ -52,9 +53,13 @@ SCRIPT = textwrap.dedent(
     def mm_ptrs(act, out):
         return {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "z_ptr": "*u8", "g_ptr": "*i32", "bias_ptr": act, "out_ptr": out}
 
-    def mm_cx(bits, mode, dot, partial, bm, bn, bk, fp16):
+    def mm_cx(bits, mode, dot, partial, bm, bn, bk, fp16, one_dot=False):
         return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, USE_DOT=dot, IEEE_FP32=False,
-                    PARTIAL=partial, CLAMP_FP16=fp16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+                    PARTIAL=partial, CLAMP_FP16=fp16, ONE_DOT=one_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+
+    def gemv_cx(bits, mode, partial, bm, bn, bkw, fp16):
+        return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, PARTIAL=partial, CLAMP_FP16=fp16,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bkw)
 
     results = []
     # cc 7.0, float16: split-K without tl.dot (M = 1 and M = 8 tiles), act-order gather, 8-bit; its reduce;
@@ -65,6 +70,16 @@ SCRIPT = textwrap.dedent(
                                mm_cx(4, 2, False, False, 8, 32, 128, True), 4, 1))
     results.append(compile_one("splitk_m2_int8", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp32"),
                                mm_cx(8, 0, False, True, 2, 64, 64, True), 4, 1))
+    # The GEMV (default tiles: 16 rows x 32 words): one group per tile (g128, 16 words), per-word groups
+    # (32 words), act-order; M = 1 and 4; 8-bit.
+    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
+                               gemv_cx(4, 0, True, 1, 16, 16, True), 4, 1))
+    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
+                               gemv_cx(4, 1, True, 4, 16, 32, True), 4, 1))
+    results.append(compile_one("gemv_m4_actorder", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp16"),
+                               gemv_cx(4, 2, False, 4, 16, 32, True), 4, 1))
+    results.append(compile_one("gemv_m2_int8", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
+                               gemv_cx(8, 1, True, 2, 16, 32, True), 4, 1))
     results.append(compile_one("splitk_reduce", splitk_reduce_kernel, 70, {"partial_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16"},
                                dict(SPLIT_K=8, HAS_BIAS=True, CLAMP_FP16=True, BLOCK=1024), 4, 1))
     deq_ptrs = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "out_ptr": "*fp16"}
@@ -74,7 +89,7 @@ SCRIPT = textwrap.dedent(
                 "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
                 "num_pairs_post_padded_ptr": "*i32"}
     moe_cx = dict(TOP_K_DIV=8, MUL_ROUTED_WEIGHT=False, BITS=4, HAS_ZEROS=True, GROUP_MODE=0, IEEE_FP32=False,
-                  CLAMP_FP16=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+                  CLAMP_FP16=True, ONE_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 70, moe_ptrs, moe_cx, 4, 1))
     # cc 9.0, bfloat16: split-K with tl.dot on 16-row tiles, the 128 x 128 tiled GEMM, the MoE kernel.
     results.append(compile_one("splitk_dot_m16", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*fp32"),
@@ -83,6 +98,10 @@ SCRIPT = textwrap.dedent(
                                mm_cx(4, 1, True, True, 16, 64, 128, False), 4, 3))
     results.append(compile_one("tiled_m128", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*bf16"),
                                mm_cx(4, 0, True, False, 128, 128, 128, False), 8, 3))
+    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, 0, True, 1, 16, 16, False), 4, 3))
+    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, 1, True, 4, 16, 32, False), 4, 3))
     bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
     print(json.dumps(results))
@@ -100,9 +119,10 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [(r["kernel"], r["cc"]) for r in results] == [
-        ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("splitk_reduce", 70),
+        ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
+        ("gemv_m4_perword", 70), ("gemv_m4_actorder", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
-        ("moe_grouped", 90),
+        ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("moe_grouped", 90),
     ]
     for r in results:
         assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r

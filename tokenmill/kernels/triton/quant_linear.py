@@ -23,6 +23,12 @@ side. (The two obvious alternatives, re-loading each word once per value or
 unpacking into [N, K] with tl.reshape, spill registers at these tiles:
 checked with ptxas -v.)
 
+- tiny M (GEMV, M <= GEMV_M_MAX): `quant_gemv_kernel`, no tl.dot: each program
+  takes BLOCK_N output rows and a K slice, unpacks [BLOCK_N, BLOCK_KW] words
+  into [BLOCK_N, BLOCK_KW, p] with shifts, multiplies by x loaded as a
+  [BLOCK_KW, p] tile and reduces with tl.sum in float32, looping over the M
+  rows inside the program (the weights are read once for all rows); K slices
+  as in split-K below. Small programs, few registers, many per SM.
 - small M (split-K): one program per (M tile, N tile, K slice). Decode is
   memory-bound: each program streams its slice of the packed words once
   (bits/16 of the bf16 bytes: a quarter for 4-bit, plus scales and zeros).
@@ -66,6 +72,8 @@ from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
 
 FP16_MAX = 65504.0
 
+# Every launch setting below can be overridden per call with `quant_linear(plan=QuantLinearPlan(...))`;
+# benchmarks/gpu/sweep_quant.py measures the grid that these defaults are picked from.
 # M thresholds (rows of x). cc >= 8.0: M <= SMALL_M_MAX -> split-K GEMV-like kernel with 16-row dot tiles
 # (one tile covers all of M, so every weight byte is read once per call); M <= LARGE_M_MIN -> tiled
 # dequant-in-loop GEMM; above -> dequantize + cuBLAS, whose tensor-core GEMM beats a Triton kernel that
@@ -504,7 +512,7 @@ class QuantLinearPlan:
     block_m: int = 0
     block_n: int = 0
     block_k: int = 0
-    split_k: int = 1
+    split_k: int = 0  # 0: from the programs wanted per SM (`finish_plan`)
     use_dot: bool = True
     num_warps: int = 4
     num_stages: int = 1
@@ -567,9 +575,10 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
 
 
 def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
-                split_k: int | None = None) -> QuantLinearPlan:
+                split_k: int | None = None, programs_per_sm: int | None = None) -> QuantLinearPlan:
     """`plan` with its split_k set: `split_k` if given, else plan.split_k if > 0, else from the programs wanted
-    per SM; clamped to the K tiles and made even (no empty slice). The "cublas" path is returned as is."""
+    per SM (`programs_per_sm`, default 4 split-K / 2 tiled / GEMV_PROGRAMS_PER_SM); clamped to the K tiles
+    and made even (no empty slice). The "cublas" path is returned as is."""
     if plan.path == "cublas":
         return plan
     path, bm, bn, bk = plan.path, plan.block_m, plan.block_n, plan.block_k
@@ -581,7 +590,9 @@ def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
         # Programs wanted: ~4 per SM for the memory-bound small-M kernel (enough loads in flight to
         # stream HBM), ~2 per SM for the tiled GEMM (whose extra K slices cost float32 partial traffic),
         # GEMV_PROGRAMS_PER_SM for the GEMV (small programs, low registers).
-        target = {"splitk": 4, "tiled": 2}.get(path, GEMV_PROGRAMS_PER_SM) * num_sms
+        if programs_per_sm is None:
+            programs_per_sm = {"splitk": 4, "tiled": 2}.get(path, GEMV_PROGRAMS_PER_SM)
+        target = programs_per_sm * num_sms
         split_k = max(1, min(target // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
     split_k = max(1, min(split_k, k_tiles))
     # Even K slices; recompute the count so that no slice is empty.
