@@ -70,10 +70,10 @@ SCRIPT = textwrap.dedent(
                                mm_cx(4, 2, False, False, 8, 32, 128, True), 4, 1))
     results.append(compile_one("splitk_m2_int8", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp32"),
                                mm_cx(8, 0, False, True, 2, 64, 64, True), 4, 1))
-    # The GEMV (default tiles: 16 rows x 32 words): one group per tile (g128, 16 words), per-word groups
+    # The GEMV (default tiles: 32 rows x 16 words): one group per tile (g128, 16 words), per-word groups
     # (32 words), act-order; M = 1 and 4; 8-bit.
     results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
-                               gemv_cx(4, 0, True, 1, 16, 16, True), 4, 1))
+                               gemv_cx(4, 0, True, 1, 32, 16, True), 4, 1))
     results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
                                gemv_cx(4, 1, True, 4, 16, 32, True), 4, 1))
     results.append(compile_one("gemv_m4_actorder", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp16"),
@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent(
     results.append(compile_one("tiled_m128", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*bf16"),
                                mm_cx(4, 0, True, False, 128, 128, 128, False), 8, 3))
     results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
-                               gemv_cx(4, 0, True, 1, 16, 16, False), 4, 3))
+                               gemv_cx(4, 0, True, 1, 32, 16, False), 4, 3))
     results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
                                gemv_cx(4, 1, True, 4, 16, 32, False), 4, 3))
     bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}

@@ -87,8 +87,8 @@ SMALL_M_MAX_CC70 = 8
 GEMV_M_MAX = 4
 GEMV_M_MAX_CC70 = 4
 # GEMV launch settings: rows per program, packed words per K step, warps, stages, programs wanted per SM.
-GEMV_BLOCK_N = 16
-GEMV_BLOCK_KW = 32
+GEMV_BLOCK_N = 32
+GEMV_BLOCK_KW = 16  # 4-bit: 128 columns, one tile per group of the common group size 128
 GEMV_WARPS = 4
 GEMV_STAGES = 3
 GEMV_PROGRAMS_PER_SM = 8
