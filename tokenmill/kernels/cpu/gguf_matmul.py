@@ -1,0 +1,95 @@
+"""Matmul and dequantization of GGUF-quantized weights on CPU in C (`gguf_matmul.c`).
+
+The weight stays in ggml's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; layouts in
+the C file's header and `model_loader/gguf_dequant.KERNEL_BLOCKS`) and is
+dequantized 32 weights at a time inside the dot product, so a decode step
+reads 4.5-8.5 bits per weight instead of 32 (float32) or 16 (bfloat16).
+The dequantized weights are the `gguf` package's reference bits
+(`gguf.quants.dequantize`); products differ from a float32 matmul of them
+only in the summation order (float32 sums).
+
+Built by `build.py` (system C compiler, cached per machine); without it, or
+with `TOKENMILL_CPU_KERNELS=0`, `load()` returns None and the caller
+dequantizes with NumPy instead (`layers/gguf_weights.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels.cpu.build import load_library
+from tokenmill.model_loader.gguf_dequant import KERNEL_BLOCKS, row_bytes
+
+_SOURCE = Path(__file__).with_name("gguf_matmul.c")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gguf_matmul.argtypes = [ptr, i64, c_int, i64, i64, ptr, i64, i64, ptr, i64, c_int, c_int]
+    lib.gguf_matmul.restype = c_int
+    lib.gguf_dequantize.argtypes = [ptr, i64, c_int, i64, i64, ptr, i64, c_int]
+    lib.gguf_dequantize.restype = c_int
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on the first call, see `build.py`); None when unavailable."""
+    return load_library(_SOURCE, _configure)
+
+
+def _check_blocks(blocks: torch.Tensor, qtype: str, k: int) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be a contiguous CPU uint8 [rows, row_bytes] tensor, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
+    if blocks.shape[1] != row_bytes(qtype, k):
+        raise ValueError(f"{qtype} rows of {k} weights take {row_bytes(qtype, k)} bytes, blocks has {blocks.shape[1]}")
+
+
+def matmul(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: str, k: int, x: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, k] @ W^T -> [T, n] for W [n, k] stored as `blocks` [n, row_bytes] uint8 of GGUF type `qtype`.
+
+    x: float32 or bfloat16 on the CPU, last dim contiguous. `out`: None (a new
+    [T, n] tensor of x's dtype) or a [T, n] tensor of x's dtype with a contiguous
+    last dim and any row stride (e.g. a column slice of a wider output), written in place.
+
+    Raises:
+        ValueError: layouts, dtypes or shapes other than these; `qtype` not in `KERNEL_BLOCKS`.
+    """
+    _check_blocks(blocks, qtype, k)
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"x must be a CPU float32/bfloat16 [T, {k}] tensor with a contiguous last dim, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    n, num_tokens = blocks.shape[0], x.shape[0]
+    if out is None:
+        out = torch.empty(num_tokens, n, dtype=x.dtype)
+    elif out.shape != (num_tokens, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device.type != "cpu":
+        raise ValueError(f"out must be a CPU {x.dtype} [{num_tokens}, {n}] tensor with a contiguous last dim")
+    if num_tokens and n:
+        rc = lib.gguf_matmul(blocks.data_ptr(), blocks.shape[1], KERNEL_BLOCKS[qtype][0], n, k, x.data_ptr(),
+                             x.stride(0), num_tokens, out.data_ptr(), out.stride(0), int(x.dtype == torch.bfloat16),
+                             torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("gguf_matmul: could not allocate the float32 copy of x.")
+        if rc != 0:
+            raise ValueError(f"gguf_matmul: the kernel refused {qtype} rows of {k} weights.")
+    return out
+
+
+def dequantize(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """float32 [n, k] weights of `blocks` [n, row_bytes] uint8 (GGUF type `qtype`): `gguf.quants.dequantize`'s bits.
+
+    Raises:
+        ValueError: as `matmul`.
+    """
+    _check_blocks(blocks, qtype, k)
+    out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    if blocks.shape[0]:
+        rc = lib.gguf_dequantize(blocks.data_ptr(), blocks.shape[1], KERNEL_BLOCKS[qtype][0], blocks.shape[0], k,
+                                 out.data_ptr(), k, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"gguf_dequantize: the kernel refused {qtype} rows of {k} weights.")
+    return out
