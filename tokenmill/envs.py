@@ -116,7 +116,7 @@ def cpu_malloc_tuning() -> bool:
 
 
 def cpu_gguf_kernels() -> bool:
-    """TOKENMILL_CPU_GGUF_KERNELS: on the CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linear weights
+    """TOKENMILL_CPU_GGUF_KERNELS: on the CPU, keep a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K linear weights
     and LM head quantized and multiply them with the C kernels (default on); 0 dequantizes them at load
     into the model dtype."""
     return get_bool("TOKENMILL_CPU_GGUF_KERNELS", True)

@@ -14,8 +14,8 @@ into its columns of the output. Batches above `KERNEL_MAX_TOKENS` tokens
 (prefill) dequantize the weight into x's dtype and call `F.linear` instead:
 there the BLAS matmul beats the kernel, whose per-token cost stays ~2 FMAs
 per weight (SmolLM2's 3072 x 576 gate/up, one thread: kernel 0.19 ms at 1
-token, 1.2 ms at 16; dequantize + float32 `F.linear` 0.39 / 1.29 ms;
-`/tmp`-free numbers: benchmarks/gguf_cpu_bench.py).
+token, 1.2 ms at 16, 4.8 ms at 64; dequantize + float32 `F.linear` 0.39 /
+1.29 / 2.96 ms).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class GGUFSegment:
     """Output rows [start, start + blocks.shape[0]) of a weight, stored as GGUF blocks of one type."""
 
     start: int  # first output row (feature) of this segment
-    qtype: str  # ggml type name, a key of model_loader.gguf_dequant.KERNEL_BLOCKS
+    qtype: str  # ggml type name, a key of kernels/cpu/gguf_matmul.KERNEL_BLOCKS
     blocks: torch.Tensor  # [rows, row_bytes] uint8, contiguous, CPU
 
 

@@ -19,33 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+from tokenmill.kernels.cpu.gguf_matmul import KERNEL_BLOCKS
+
+# bytes per block (one table of the layouts: kernels/cpu/gguf_matmul.KERNEL_BLOCKS)
+_BLOCK_BYTES = {name: KERNEL_BLOCKS[name][2] for name in ("Q8_0", "Q4_0", "Q4_1")}
 FAST_TYPES = frozenset(_BLOCK_BYTES)
-
-# ggml type name -> (ggml_type id, weights per block, bytes per block) of the types the CPU kernels
-# (`kernels/cpu/gguf_matmul.c`) keep quantized; ggml-common.h's block_q4_0, block_q4_1, block_q8_0
-# (32 weights) and block_q4_K, block_q6_K (256-weight superblocks; layouts in the C file's header).
-KERNEL_BLOCKS: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144),
-    "Q6_K": (14, 256, 210),
-}
-
-
-def row_bytes(qtype_name: str, row_len: int) -> int:
-    """Bytes of one row of `row_len` weights in a `KERNEL_BLOCKS` type.
-
-    Raises:
-        ValueError: another type, or `row_len` is not a whole number of blocks.
-    """
-    if qtype_name not in KERNEL_BLOCKS:
-        raise ValueError(f"GGUF type {qtype_name} is not one the CPU kernels keep quantized ({sorted(KERNEL_BLOCKS)}).")
-    _, per_block, nbytes = KERNEL_BLOCKS[qtype_name]
-    if row_len % per_block:
-        raise ValueError(f"A {qtype_name} row of {row_len} weights is not a whole number of {per_block}-weight blocks.")
-    return row_len // per_block * nbytes
 
 
 def fast_dequantize(raw: np.ndarray, qtype_name: str) -> np.ndarray | None:

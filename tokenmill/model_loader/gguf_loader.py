@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from tokenmill.model_loader.gguf_dequant import FAST_TYPES, KERNEL_BLOCKS, fast_dequantize, row_bytes
+from tokenmill.kernels.cpu.gguf_matmul import KERNEL_BLOCKS, row_bytes
+from tokenmill.model_loader.gguf_dequant import FAST_TYPES, fast_dequantize
 from tokenmill.model_loader.gguf_file import read_gguf
 
 # GGUF block tensor base name -> HF name under `model.layers.N.`

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class GGUFBlocks:
     """One GGUF tensor's raw rows, riding on its float tensor as `.gguf_blocks`."""
 
-    qtype: str  # ggml type name, a key of gguf_dequant.KERNEL_BLOCKS
+    qtype: str  # ggml type name, a key of kernels/cpu/gguf_matmul.KERNEL_BLOCKS
     blocks: torch.Tensor  # [rows, row_bytes] uint8, row i = row i of the float tensor
 
 

@@ -3,11 +3,14 @@
  * out[t, r] = sum_k W[r, k] * x[t, k], where row r of W is stored as ggml's
  * quantized blocks and dequantized 32 weights at a time inside the dot product
  * (never written to memory). Block layouts (ggml-common.h: block_q4_0, block_q4_1,
- * block_q8_0, block_q4_K, block_q6_K; d, dmin, m are float16):
+ * block_q5_0, block_q5_1, block_q8_0, block_q4_K, block_q6_K; d, dmin, m are float16):
  *
  *   Q4_0 (32 weights, 18 bytes): | d | qs[16] |           w[j] = d * (nib(j) - 8)
  *   Q4_1 (32 weights, 20 bytes): | d | m | qs[16] |       w[j] = d * nib(j) + m
  *      nib(j) = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16
+ *   Q5_0 (32 weights, 22 bytes): | d | qh[4] | qs[16] |   w[j] = d * (nib(j) + 16 hb(j) - 16)
+ *   Q5_1 (32 weights, 24 bytes): | d | m | qh[4] | qs[16] |  w[j] = d * (nib(j) + 16 hb(j)) + m
+ *      hb(j) = bit j of qh read as a little-endian uint32
  *   Q8_0 (32 weights, 34 bytes): | d | qs[32] int8 |      w[j] = d * qs[j]
  *   Q4_K (256 weights, 144 bytes): | d | dmin | scales[12] | qs[128] |
  *      8 sub-blocks of 32 with 6-bit scale sc[i] and min mn[i] packed in scales[12]
@@ -44,7 +47,7 @@
 #define TOKENS_PER_PASS 4
 #define ROW_TILE 16
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml_type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml_type ids */
 
 /* IEEE half -> float (subnormals, inf and NaN included); F16C's one instruction where the CPU has it. */
 static inline float h2f(const uint8_t *p) {
@@ -66,11 +69,15 @@ static inline float h2f(const uint8_t *p) {
 }
 
 /* Weights per block and bytes per block of a type; 0 for a type this file does not take. */
-static int block_weights(int type) { return (type == Q4_K || type == Q6_K) ? 256 : (type == Q4_0 || type == Q4_1 || type == Q8_0) ? 32 : 0; }
+static int block_weights(int type) {
+    return (type == Q4_K || type == Q6_K) ? 256 : (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0) ? 32 : 0;
+}
 static int block_bytes(int type) {
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4_K: return 144;
     case Q6_K: return 210;
@@ -107,6 +114,20 @@ static inline void chunk_scalar(int type, const uint8_t *row, int64_t c, float *
         for (int j = 0; j < 16; j++) {
             w[j] = d * (float)(b[4 + j] & 15) + m;
             w[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int one = type == Q5_1, bytes = one ? 24 : 22;
+        const uint8_t *b = row + c * bytes;
+        const float d = h2f(b), m = one ? h2f(b + 2) : 0.f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int j = 0; j < 32; j++) {
+            const int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (int)(((qh >> j) & 1u) << 4);
+            w[j] = one ? d * (float)q + m : d * (float)(q - 16);
         }
         break;
     }
@@ -165,6 +186,30 @@ static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
         *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), m);
         *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int one = type == Q5_1;
+        const uint8_t *b = row + c * (one ? 24 : 22);
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6 + 2 * one)));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        /* the fifth bit of weight j is bit j of qh: lanes of the mask get 16 added */
+        const __m512i q0 = _mm512_mask_add_epi32(_mm512_and_si512(q, low4), (__mmask16)(qh & 0xffffu),
+                                                 _mm512_and_si512(q, low4), sixteen);
+        const __m512i q1 = _mm512_mask_add_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16),
+                                                 _mm512_srli_epi32(q, 4), sixteen);
+        if (one) {
+            const __m512 m = _mm512_set1_ps(h2f(b + 2));
+            *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), m);
+            *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)), m);
+        } else {
+            *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)));
+            *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)));
+        }
         break;
     }
     case Q8_0: {
@@ -280,6 +325,8 @@ static void rows_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t
     switch (type) {
     case Q4_0: rows_of_type(Q4_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
     case Q4_1: rows_of_type(Q4_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_0: rows_of_type(Q5_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_1: rows_of_type(Q5_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
     case Q8_0: rows_of_type(Q8_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
     case Q4_K: rows_of_type(Q4_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
     case Q6_K: rows_of_type(Q6_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;

@@ -1,7 +1,8 @@
 """Matmul and dequantization of GGUF-quantized weights on CPU in C (`gguf_matmul.c`).
 
-The weight stays in ggml's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; layouts in
-the C file's header and `model_loader/gguf_dequant.KERNEL_BLOCKS`) and is
+The weight stays in ggml's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; layouts in
+the C file's header and `KERNEL_BLOCKS` below, the one table of them; the
+GGUF loader's NumPy dequantization `model_loader/gguf_dequant.py` reads it too) and is
 dequantized 32 weights at a time inside the dot product, so a decode step
 reads 4.5-8.5 bits per weight instead of 32 (float32) or 16 (bfloat16).
 The dequantized weights are the `gguf` package's reference bits
@@ -21,10 +22,64 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu.build import load_library
-from tokenmill.model_loader.gguf_dequant import KERNEL_BLOCKS, row_bytes
 
 _SOURCE = Path(__file__).with_name("gguf_matmul.c")
 DTYPES = (torch.float32, torch.bfloat16)
+
+# ggml type name -> (ggml_type id, weights per block, bytes per block) of the types the CPU kernels
+# (`gguf_matmul.c`) keep quantized; ggml-common.h's block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0
+# (32 weights) and block_q4_K, block_q6_K (256-weight superblocks; layouts in the C file's header).
+KERNEL_BLOCKS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+}
+
+
+def row_bytes(qtype_name: str, row_len: int) -> int:
+    """Bytes of one row of `row_len` weights in a `KERNEL_BLOCKS` type.
+
+    Raises:
+        ValueError: another type, or `row_len` is not a whole number of blocks.
+    """
+    if qtype_name not in KERNEL_BLOCKS:
+        raise ValueError(f"GGUF type {qtype_name} is not one the CPU kernels keep quantized ({sorted(KERNEL_BLOCKS)}).")
+    _, per_block, nbytes = KERNEL_BLOCKS[qtype_name]
+    if row_len % per_block:
+        raise ValueError(f"A {qtype_name} row of {row_len} weights is not a whole number of {per_block}-weight blocks.")
+    return row_len // per_block * nbytes
+
+
+def fast_dequantize(raw: np.ndarray, qtype_name: str) -> np.ndarray | None:
+    """float32 weights [n_blocks * 32] (a new writable array) from raw uint8 block data; None for other types.
+
+    `raw`: uint8 array of whole blocks (any shape), e.g. `GGUFFile.tensor_data(info)`.
+    """
+    block_bytes = _BLOCK_BYTES.get(qtype_name)
+    if block_bytes is None:
+        return None
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)  # [n_blocks, 1]
+    if qtype_name == "Q8_0":
+        out[:] = blocks[:, 2:].view(np.int8)
+        out *= d
+        return out.reshape(-1)
+    qs = blocks[:, 4:] if qtype_name == "Q4_1" else blocks[:, 2:]
+    np.bitwise_and(qs, 0x0F, out=out[:, :16], casting="unsafe")
+    np.right_shift(qs, 4, out=out[:, 16:], casting="unsafe")
+    if qtype_name == "Q4_0":
+        out -= 8.0
+        out *= d
+    else:
+        out *= d
+        out += np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    return out.reshape(-1)
+
 
 
 def _configure(lib: ctypes.CDLL) -> None:
