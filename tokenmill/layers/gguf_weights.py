@@ -60,9 +60,14 @@ class GGUFWeight:
             row += seg.blocks.shape[0]
         if row != out_features:
             raise ValueError(f"GGUF weight segments cover {row} of {out_features} output rows")
+        for seg in segments:  # validated once here, so matmul calls the kernel without re-checking
+            gguf_matmul.check_blocks(seg.blocks, seg.qtype, in_features)
         self._lib = lib
         self.segments = segments
         self.shape = torch.Size((out_features, in_features))
+        # per segment: (blocks pointer, row bytes, ggml type id, rows, first row); the tensors stay in `segments`
+        self._calls = [(seg.blocks.data_ptr(), seg.blocks.shape[1], gguf_matmul.KERNEL_BLOCKS[seg.qtype][0],
+                        seg.blocks.shape[0], seg.start) for seg in segments]
 
     @property
     def nbytes(self) -> int:
@@ -83,12 +88,17 @@ class GGUFWeight:
         x2 = x.reshape(-1, k)
         if x2.shape[0] > KERNEL_MAX_TOKENS or x.dtype not in gguf_matmul.DTYPES:
             return F.linear(x, self.dequantize(x.dtype), bias)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        out = torch.empty(x2.shape[0], self.shape[0], dtype=x.dtype)
-        for seg in self.segments:
-            gguf_matmul.matmul(self._lib, seg.blocks, seg.qtype, k, x2,
-                               out=out.narrow(1, seg.start, seg.blocks.shape[0]))
+        if x2.stride(1) != 1 or x.device.type != "cpu":
+            x2 = x2.contiguous().cpu()
+        num_tokens, n = x2.shape[0], self.shape[0]
+        out = torch.empty(num_tokens, n, dtype=x.dtype)
+        # the decode hot path (~120 calls a step for SmolLM2): straight to C, shapes checked at construction
+        is_bf16, threads, out_ptr = int(x.dtype == torch.bfloat16), torch.get_num_threads(), out.data_ptr()
+        for ptr, nbytes, type_id, rows, start in self._calls:
+            rc = self._lib.gguf_matmul(ptr, nbytes, type_id, rows, k, x2.data_ptr(), x2.stride(0), num_tokens,
+                                       out_ptr + start * out.element_size(), n, is_bf16, threads)
+            if rc != 0:
+                raise ValueError(f"gguf_matmul failed ({rc}) on a [{rows}, {k}] segment")
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], self.shape[0])

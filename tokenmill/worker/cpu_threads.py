@@ -12,7 +12,8 @@ throughput falls with the cores lost instead of by 10x.
 
 Once per `interval_s` (checked at each step, read from /proc/stat and
 `os.times()`), `CpuThreadGovernor.step` estimates how many of this
-process's CPUs other processes kept busy (all CPU time on them minus ours)
+process's CPUs other processes kept busy (all CPU time on them minus ours
+and our parent's, the front end's)
 and sets `torch.set_num_threads(round(cpus - others))`, clamped to
 [1, max_threads]. Linux only (elsewhere it keeps max_threads);
 TOKENMILL_CPU_ADAPTIVE_THREADS=0 turns it off.
@@ -45,8 +46,16 @@ def _busy_seconds(cpus: set[int]) -> float | None:
 
 
 def _own_seconds() -> float:
+    """CPU seconds of this process and its parent: the engine core's parent is the front end (API server,
+    detokenizer), whose work at high concurrency must not read as another process taking a core."""
     t = os.times()
-    return t.user + t.system
+    own = t.user + t.system
+    try:
+        with open(f"/proc/{os.getppid()}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state is field 3
+        return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return own
 
 
 class CpuThreadGovernor:

@@ -95,7 +95,8 @@ def load() -> ctypes.CDLL | None:
     return load_library(_SOURCE, _configure)
 
 
-def _check_blocks(blocks: torch.Tensor, qtype: str, k: int) -> None:
+def check_blocks(blocks: torch.Tensor, qtype: str, k: int) -> None:
+    """Raises ValueError unless `blocks` is a contiguous CPU uint8 [rows, row_bytes(qtype, k)] tensor."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu" or not blocks.is_contiguous():
         raise ValueError(f"blocks must be a contiguous CPU uint8 [rows, row_bytes] tensor, got {blocks.dtype} "
                          f"{tuple(blocks.shape)} on {blocks.device}")
@@ -114,7 +115,7 @@ def matmul(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: str, k: int, x: torch.
     Raises:
         ValueError: layouts, dtypes or shapes other than these; `qtype` not in `KERNEL_BLOCKS`.
     """
-    _check_blocks(blocks, qtype, k)
+    check_blocks(blocks, qtype, k)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
         raise ValueError(f"x must be a CPU float32/bfloat16 [T, {k}] tensor with a contiguous last dim, got "
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
@@ -140,7 +141,7 @@ def dequantize(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: str, k: int) -> to
     Raises:
         ValueError: as `matmul`.
     """
-    _check_blocks(blocks, qtype, k)
+    check_blocks(blocks, qtype, k)
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
     if blocks.shape[0]:
         rc = lib.gguf_dequantize(blocks.data_ptr(), blocks.shape[1], KERNEL_BLOCKS[qtype][0], blocks.shape[0], k,
