@@ -18,7 +18,8 @@ from tokenmill.layers.gguf_weights import KERNEL_MAX_TOKENS, GGUFSegment, GGUFWe
 
 TYPES = sorted(KERNEL_BLOCKS)
 # byte offsets of each block's float16 scales (ggml-common.h)
-_HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+_HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                 "Q6_K": (208,)}
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,8 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
 
 def _packable(weight: torch.Tensor) -> bool:
     # a GGUFWeight (layers/gguf_weights.py) is not a tensor and stays as it is
-    return isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and not weight.is_mkldnn
+    return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and not weight.is_mkldnn)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ def gguf_weights_iterator(gguf_file: str, hf_config, keep_blocks: bool = False) 
         raw = None
         if keep_blocks and qtype.name in KERNEL_BLOCKS and w.ndim == 2:
             # np.array copies the rows out of the memory-mapped file
-            raw = np.array(gf.tensor_data(tensor), dtype=np.uint8).reshape(w.shape[0], row_bytes(qtype.name, w.shape[1]))
+            raw = np.array(gf.tensor_data(tensor), dtype=np.uint8)
+            raw = raw.reshape(w.shape[0], row_bytes(qtype.name, w.shape[1]))
         if arch in _PERMUTED_QK_ARCHS:
             heads = n_head if ".attn_q." in tensor.name else n_kv_head if ".attn_k." in tensor.name else None
             if heads is not None:
