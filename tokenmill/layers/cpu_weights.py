@@ -63,7 +63,7 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
         if isinstance(module, LinearBase) and _packable(module.weight):
             module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
             count += 1
-        elif isinstance(module, ParallelLMHead) and _packable(module.weight):
+        elif isinstance(module, ParallelLMHead) and module.gguf_weight is None and _packable(module.weight):
             weight = module.weight
             tied = any(m is not module and getattr(m, "weight", None) is weight for m in modules)
             if not tied:
@@ -79,7 +79,9 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and not weight.is_mkldnn
+    # a GGUFWeight (layers/gguf_weights.py) is not a tensor and stays as it is
+    return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and not weight.is_mkldnn)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
         # CPU bfloat16: the weight in oneDNN's packed layout (`layers/cpu_weights.py`), else None.
         self.packed_weight: torch.Tensor | None = None
+        # CPU GGUF: the head's weight kept as ggml blocks (`layers/gguf_weights.GGUFWeight`), else None.
+        self.gguf_weight = None
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         n = self.vocab_end - self.vocab_start
@@ -99,7 +101,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         `soft_cap`: Gemma-2 final-logit soft-capping `cap * tanh(logits / cap)`.
         """
-        if self.packed_weight is not None:
+        if self.gguf_weight is not None:
+            logits = self.gguf_weight.matmul(hidden_states, self.bias)
+        elif self.packed_weight is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden_states, self.packed_weight, self.bias, "none", [], "")
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)

@@ -32,6 +32,7 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.distributed.partition import divide_evenly, head_partition
+from tokenmill.layers.gguf_weights import GGUFWeight
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -79,7 +80,10 @@ class LinearBase(nn.Module):
         _copy_checked(param, loaded_weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`)."""
+        """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`) or
+        GGUF blocks (`gguf_weights`)."""
+        if isinstance(self.weight, GGUFWeight):
+            return self.weight.matmul(x, bias)
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)

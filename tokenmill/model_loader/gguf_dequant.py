@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+from tokenmill.kernels.cpu.gguf_matmul import KERNEL_BLOCKS
+
+# bytes per block (one table of the layouts: kernels/cpu/gguf_matmul.KERNEL_BLOCKS)
+_BLOCK_BYTES = {name: KERNEL_BLOCKS[name][2] for name in ("Q8_0", "Q4_0", "Q4_1")}
 FAST_TYPES = frozenset(_BLOCK_BYTES)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tokenmill.kernels.cpu.gguf_matmul import KERNEL_BLOCKS, row_bytes
 from tokenmill.model_loader.gguf_dequant import FAST_TYPES, fast_dequantize
 from tokenmill.model_loader.gguf_file import read_gguf
 
@@ -92,10 +93,12 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights_iterator(gguf_file: str, hf_config, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 CPU tensor) for every tensor of `gguf_file`.
 
     `hf_config` gives the head counts needed to undo the Q/K permutation.
+    `keep_blocks`: each 2-D tensor of a `KERNEL_BLOCKS` type also carries its
+    raw rows as `.gguf_blocks` (`gguf_quantized.GGUFBlocks`, rows permuted as the floats).
 
     Raises:
         ValueError: a tensor name or quantization type is not supported.
@@ -124,12 +127,22 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
             # np.array copies: unquantized tensors are read-only views of the memory-mapped file.
             w = np.array(deq, dtype=np.float32)
         w = w.reshape(tensor.shape)
+        raw = None
+        if keep_blocks and qtype.name in KERNEL_BLOCKS and w.ndim == 2:
+            # np.array copies the rows out of the memory-mapped file
+            raw = np.array(gf.tensor_data(tensor), dtype=np.uint8)
+            raw = raw.reshape(w.shape[0], row_bytes(qtype.name, w.shape[1]))
         if arch in _PERMUTED_QK_ARCHS:
-            if ".attn_q." in tensor.name:
-                w = unpermute_qk(w, n_head)
-            elif ".attn_k." in tensor.name:
-                w = unpermute_qk(w, n_kv_head)
+            heads = n_head if ".attn_q." in tensor.name else n_kv_head if ".attn_k." in tensor.name else None
+            if heads is not None:
+                w = unpermute_qk(w, heads)
+                raw = None if raw is None else unpermute_qk(raw, heads)  # a row permutation: rows are whole blocks
         if arch in _NORM_PLUS_ONE_ARCHS and "norm.weight" in tensor.name:
             w = w - 1.0
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+        t = torch.from_numpy(np.ascontiguousarray(w))
+        if raw is not None:
+            from tokenmill.model_loader.gguf_quantized import GGUFBlocks
+
+            t.gguf_blocks = GGUFBlocks(qtype.name, torch.from_numpy(np.ascontiguousarray(raw)))
+        yield hf_name, t
 

@@ -12,7 +12,11 @@ from torch import nn
 
 from tokenmill.config.configs import ModelConfig
 from tokenmill.dtypes import parse_dtype
+from tokenmill import envs
+from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
 from tokenmill.kernels.cpu import elementwise as cpu_elementwise
+from tokenmill.kernels.cpu import gguf_matmul
+from tokenmill.model_loader import gguf_quantized
 from tokenmill.layers.cpu_weights import pack_cpu_linear_weights
 from tokenmill.model_loader.dummy import initialize_dummy_weights
 from tokenmill.model_loader.weight_utils import pt_weights_iterator, safetensors_files, safetensors_weights_iterator
@@ -41,11 +45,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def iterate_weights(model_config: ModelConfig, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_config: ModelConfig, device: torch.device | str,
+                    keep_gguf_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the model's checkpoint in the chosen load format.
 
     Safetensors are read straight onto `device`; GGUF and .bin tensors come
     on the CPU (the parameters' weight loaders move and cast them).
+    `keep_gguf_blocks`: GGUF tensors also carry their raw blocks (`gguf_quantized`).
 
     Raises:
         ValueError: the folder has no weights in the requested format.
@@ -54,7 +60,7 @@ def iterate_weights(model_config: ModelConfig, device: torch.device | str) -> It
     if model_config.gguf_file is not None and fmt in ("auto", "gguf"):
         from tokenmill.model_loader.gguf_loader import gguf_weights_iterator
 
-        return gguf_weights_iterator(model_config.gguf_file, model_config.hf_config)
+        return gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep_blocks=keep_gguf_blocks)
     if fmt == "gguf":
         raise ValueError(f"--load-format gguf needs a .gguf file, but {model_config.model_path} is not one.")
     folder = model_config.model_path
@@ -64,6 +70,18 @@ def iterate_weights(model_config: ModelConfig, device: torch.device | str) -> It
     if fmt == "safetensors":
         raise ValueError(f"{folder} has no *.safetensors files (pass --load-format auto or pt for .bin weights).")
     return pt_weights_iterator(folder)
+
+
+def _keep_gguf_quantized(model_config: ModelConfig, device: torch.device | str) -> bool:
+    """A GGUF on the CPU at tensor-parallel size 1 with the C kernels built, unless TOKENMILL_CPU_GGUF_KERNELS=0."""
+    if model_config.gguf_file is None or model_config.load_format not in ("auto", "gguf"):
+        return False
+    if torch.device(device).type != "cpu" or get_tensor_model_parallel_world_size() != 1 or not envs.cpu_gguf_kernels():
+        return False
+    if gguf_matmul.load() is None:
+        logger.info("GGUF weights are dequantized at load: the CPU C kernels are unavailable.")
+        return False
+    return True
 
 
 def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str | torch.dtype) -> nn.Module:
@@ -83,8 +101,13 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)
     else:
+        keep_blocks = _keep_gguf_quantized(model_config, device)
+        if keep_blocks:
+            gguf_quantized.capture(model)
         with torch.no_grad():
-            loaded = model.load_weights(iterate_weights(model_config, device))
+            loaded = model.load_weights(iterate_weights(model_config, device, keep_gguf_blocks=keep_blocks))
+        if keep_blocks:
+            gguf_quantized.finalize(model)
         missing = sorted(set(dict(model.named_parameters())) - set(loaded))
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

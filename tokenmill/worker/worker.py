@@ -10,6 +10,7 @@ import torch
 from tokenmill import envs
 from tokenmill.config.configs import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.cpu_threads import CpuThreadGovernor
 from tokenmill.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.cpu_threads: CpuThreadGovernor | None = None  # CPU, one rank: threads follow the free cores
 
     def init_device(self) -> None:
         """Pick the device, join the process group when tensor-parallel, seed torch.
@@ -69,6 +71,8 @@ class Worker:
                 torch.set_num_threads(threads)
             elif pc.world_size > 1:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+            if pc.world_size == 1 and envs.cpu_adaptive_threads():
+                self.cpu_threads = CpuThreadGovernor(torch.get_num_threads())
         if pc.world_size > 1:
             self._init_distributed(pc.world_size)
         torch.manual_seed(self.config.model_config.seed)
@@ -94,9 +98,13 @@ class Worker:
         self._runner().initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.cpu_threads is not None:
+            self.cpu_threads.step()
         return self._runner().execute_model(scheduler_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        if self.cpu_threads is not None:
+            self.cpu_threads.step()
         return self._runner().execute_model_async(scheduler_output)
 
     def _runner(self) -> ModelRunner:

@@ -1,0 +1,386 @@
+/* Matmul with GGUF-quantized weights kept as ggml blocks (called by gguf_matmul.py).
+ *
+ * out[t, r] = sum_k W[r, k] * x[t, k], where row r of W is stored as ggml's
+ * quantized blocks and dequantized 32 weights at a time inside the dot product
+ * (never written to memory). Block layouts (ggml-common.h: block_q4_0, block_q4_1,
+ * block_q5_0, block_q5_1, block_q8_0, block_q4_K, block_q6_K; d, dmin, m are float16):
+ *
+ *   Q4_0 (32 weights, 18 bytes): | d | qs[16] |           w[j] = d * (nib(j) - 8)
+ *   Q4_1 (32 weights, 20 bytes): | d | m | qs[16] |       w[j] = d * nib(j) + m
+ *      nib(j) = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16
+ *   Q5_0 (32 weights, 22 bytes): | d | qh[4] | qs[16] |   w[j] = d * (nib(j) + 16 hb(j) - 16)
+ *   Q5_1 (32 weights, 24 bytes): | d | m | qh[4] | qs[16] |  w[j] = d * (nib(j) + 16 hb(j)) + m
+ *      hb(j) = bit j of qh read as a little-endian uint32
+ *   Q8_0 (32 weights, 34 bytes): | d | qs[32] int8 |      w[j] = d * qs[j]
+ *   Q4_K (256 weights, 144 bytes): | d | dmin | scales[12] | qs[128] |
+ *      8 sub-blocks of 32 with 6-bit scale sc[i] and min mn[i] packed in scales[12]
+ *      (i < 4: sc = s[i] & 63, mn = s[i + 4] & 63; else sc = (s[i + 4] & 15) | (s[i - 4] >> 6) << 4,
+ *      mn = (s[i + 4] >> 4) | (s[i] >> 6) << 4); sub-block i = 2g + h reads qs[32g .. 32g + 32),
+ *      low nibbles for h = 0, high for h = 1:   w = (d * sc[i]) * q - dmin * mn[i]
+ *   Q6_K (256 weights, 210 bytes): | ql[128] | qh[64] | scales[16] int8 | d |
+ *      chunk i of 32 (n = i / 4, k = i % 4): q[l] = ((ql[64n + 32(k % 2) + l] >> 4(k / 2)) & 15)
+ *      | ((qh[32n + l] >> 2k) & 3) << 4, minus 32; weight j of the superblock uses scale j / 16:
+ *      w = (d * scales[j / 16]) * q
+ *
+ * The arithmetic and its roundings follow the `gguf` package's reference
+ * (gguf/quants.py, itself ggml's dequantize_row_*), so the dequantized weights
+ * (gguf_dequantize) are its bits; the dot products differ from a float32
+ * matmul of those weights only by the summation order. Activations x are
+ * float32 or bfloat16 (bfloat16 is widened once per call), the sums float32.
+ *
+ * Speed: with AVX-512 each 32-weight chunk becomes two 16-lane float vectors
+ * (byte -> int32 widening, nibble mask / shift, convert, scale) that are FMA'd
+ * against up to TOKENS_PER_PASS token rows at once, so a chunk is decoded once
+ * per pass, not once per token. Without AVX-512 the same chunks are decoded
+ * into a float[32] by plain loops (which the compiler vectorizes as it can).
+ * Rows are shared by OpenMP threads (torch's libgomp, see build.py).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define PARALLEL_MIN 65536
+#define TOKENS_PER_PASS 4
+#define ROW_TILE 16
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml_type ids */
+
+/* IEEE half -> float (subnormals, inf and NaN included); F16C's one instruction where the CPU has it. */
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {
+        v.f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24 */
+        v.u |= sign;
+        return v.f;
+    }
+    v.u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+    return v.f;
+#endif
+}
+
+/* Weights per block and bytes per block of a type; 0 for a type this file does not take. */
+static int block_weights(int type) {
+    return (type == Q4_K || type == Q6_K) ? 256 : (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0) ? 32 : 0;
+}
+static int block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Q4_K sub-block i's 6-bit scale and min from the 12 packed bytes s. */
+static inline void q4k_scale_min(const uint8_t *s, int i, int *sc, int *mn) {
+    if (i < 4) {
+        *sc = s[i] & 63;
+        *mn = s[i + 4] & 63;
+    } else {
+        *sc = (s[i + 4] & 15) | ((s[i - 4] >> 6) << 4);
+        *mn = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+    }
+}
+
+/* Chunk c (weights 32c .. 32c + 32) of a row as float32, plain C. */
+static inline void chunk_scalar(int type, const uint8_t *row, int64_t c, float *w) {
+    switch (type) {
+    case Q4_0: {
+        const uint8_t *b = row + c * 18;
+        const float d = h2f(b);
+        for (int j = 0; j < 16; j++) {
+            w[j] = d * (float)((b[2 + j] & 15) - 8);
+            w[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+        break;
+    }
+    case Q4_1: {
+        const uint8_t *b = row + c * 20;
+        const float d = h2f(b), m = h2f(b + 2);
+        for (int j = 0; j < 16; j++) {
+            w[j] = d * (float)(b[4 + j] & 15) + m;
+            w[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int one = type == Q5_1, bytes = one ? 24 : 22;
+        const uint8_t *b = row + c * bytes;
+        const float d = h2f(b), m = one ? h2f(b + 2) : 0.f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int j = 0; j < 32; j++) {
+            const int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (int)(((qh >> j) & 1u) << 4);
+            w[j] = one ? d * (float)q + m : d * (float)(q - 16);
+        }
+        break;
+    }
+    case Q8_0: {
+        const uint8_t *b = row + c * 34;
+        const float d = h2f(b);
+        for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[2 + j];
+        break;
+    }
+    case Q4_K: {
+        const uint8_t *b = row + (c / 8) * 144;
+        const int i = (int)(c % 8), sh = 4 * (i % 2);
+        int sc, mn;
+        q4k_scale_min(b + 4, i, &sc, &mn);
+        const float dsc = h2f(b) * (float)sc, dm = h2f(b + 2) * (float)mn;
+        const uint8_t *qs = b + 16 + 32 * (i / 2);
+        for (int j = 0; j < 32; j++) w[j] = dsc * (float)((qs[j] >> sh) & 15) - dm;
+        break;
+    }
+    case Q6_K: {
+        const uint8_t *b = row + (c / 8) * 210;
+        const int i = (int)(c % 8), n = i / 4, k = i % 4;
+        const uint8_t *ql = b + 64 * n + 32 * (k % 2), *qh = b + 128 + 32 * n;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        const float d0 = d * (float)scales[2 * i], d1 = d * (float)scales[2 * i + 1];
+        for (int j = 0; j < 32; j++) {
+            const int q = (((ql[j] >> (4 * (k / 2))) & 15) | (((qh[j] >> (2 * k)) & 3) << 4)) - 32;
+            w[j] = (j < 16 ? d0 : d1) * (float)q;
+        }
+        break;
+    }
+    }
+}
+
+#if defined(TM_AVX512)
+static inline __m512 cvt16(__m128i bytes, int is_signed) {
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
+/* Chunk c of a row as two 16-lane vectors (weights 0-15 in *w0, 16-31 in *w1); same roundings as chunk_scalar. */
+static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0, __m512 *w1) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    switch (type) {
+    case Q4_0: {
+        const uint8_t *b = row + c * 18;
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low4), eight)));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
+        break;
+    }
+    case Q4_1: {
+        const uint8_t *b = row + c * 20;
+        const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
+        *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), m);
+        *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int one = type == Q5_1;
+        const uint8_t *b = row + c * (one ? 24 : 22);
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6 + 2 * one)));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        /* the fifth bit of weight j is bit j of qh: lanes of the mask get 16 added */
+        const __m512i q0 = _mm512_mask_add_epi32(_mm512_and_si512(q, low4), (__mmask16)(qh & 0xffffu),
+                                                 _mm512_and_si512(q, low4), sixteen);
+        const __m512i q1 = _mm512_mask_add_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16),
+                                                 _mm512_srli_epi32(q, 4), sixteen);
+        if (one) {
+            const __m512 m = _mm512_set1_ps(h2f(b + 2));
+            *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), m);
+            *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)), m);
+        } else {
+            *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)));
+            *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)));
+        }
+        break;
+    }
+    case Q8_0: {
+        const uint8_t *b = row + c * 34;
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        *w0 = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(b + 2)), 1));
+        *w1 = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(b + 18)), 1));
+        break;
+    }
+    case Q4_K: {
+        const uint8_t *b = row + (c / 8) * 144;
+        const int i = (int)(c % 8);
+        int sc, mn;
+        q4k_scale_min(b + 4, i, &sc, &mn);
+        const __m512 dsc = _mm512_set1_ps(h2f(b) * (float)sc), dm = _mm512_set1_ps(h2f(b + 2) * (float)mn);
+        const uint8_t *qs = b + 16 + 32 * (i / 2);
+        const __m128i sh = _mm_cvtsi32_si128(4 * (i % 2));
+        const __m512i q0 = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sh), low4);
+        const __m512i q1 = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))), sh), low4);
+        *w0 = _mm512_sub_ps(_mm512_mul_ps(dsc, _mm512_cvtepi32_ps(q0)), dm);
+        *w1 = _mm512_sub_ps(_mm512_mul_ps(dsc, _mm512_cvtepi32_ps(q1)), dm);
+        break;
+    }
+    case Q6_K: {
+        const uint8_t *b = row + (c / 8) * 210;
+        const int i = (int)(c % 8), n = i / 4, k = i % 4;
+        const uint8_t *ql = b + 64 * n + 32 * (k % 2), *qh = b + 128 + 32 * n;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        const __m128i shl = _mm_cvtsi32_si128(4 * (k / 2)), shh = _mm_cvtsi32_si128(2 * k);
+        const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+        __m512 w[2];
+        for (int half = 0; half < 2; half++) {
+            const __m512i lo = _mm512_and_si512(
+                _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * half))), shl), low4);
+            const __m512i hi = _mm512_and_si512(
+                _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * half))), shh), three);
+            const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), off);
+            w[half] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[2 * i + half]), _mm512_cvtepi32_ps(q));
+        }
+        *w0 = w[0];
+        *w1 = w[1];
+        break;
+    }
+    }
+}
+#endif
+
+/* out[t * out_stride + r] for row r and tokens [t0, t0 + NT), x float32 [T, k] (dense). Always inlined with
+ * constant type and NT, so the type switch folds away and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void row_dot(const int type, const int NT, const uint8_t *row,
+                                                          int64_t r, int64_t k, const float *x, int64_t t0,
+                                                          void *out, int64_t out_stride, int is_bf16) {
+    const int64_t chunks = k / 32;
+#if defined(TM_AVX512)
+    /* two accumulators per token (weights 0-15 and 16-31 of a chunk): two independent FMA chains */
+    __m512 acc0[TOKENS_PER_PASS], acc1[TOKENS_PER_PASS];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512 w0, w1;
+        chunk_vec(type, row, c, &w0, &w1);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + (t0 + t) * k + 32 * c;
+            acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
+            acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++)
+        store1(out, (t0 + t) * out_stride + r, _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])), is_bf16);
+#else
+    float acc[TOKENS_PER_PASS][32];
+    memset(acc, 0, sizeof(acc));
+    float wc[32];
+    for (int64_t c = 0; c < chunks; c++) {
+        chunk_scalar(type, row, c, wc);
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + (t0 + t) * k + 32 * c;
+            for (int j = 0; j < 32; j++) acc[t][j] += wc[j] * xt[j];
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float s = 0.f;
+        for (int j = 0; j < 32; j++) s += acc[t][j];
+        store1(out, (t0 + t) * out_stride + r, s, is_bf16);
+    }
+#endif
+}
+
+/* Rows [r0, r1) of one type, every token. */
+static inline __attribute__((always_inline)) void rows_of_type(const int type, const uint8_t *w, int64_t row_bytes,
+                                                               int64_t r0, int64_t r1, int64_t k, const float *x,
+                                                               int64_t n_tokens, void *out, int64_t out_stride,
+                                                               int is_bf16) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        int64_t t0 = 0;
+        for (; t0 + TOKENS_PER_PASS <= n_tokens; t0 += TOKENS_PER_PASS)
+            row_dot(type, TOKENS_PER_PASS, row, r, k, x, t0, out, out_stride, is_bf16);
+        switch (n_tokens - t0) {
+        case 1: row_dot(type, 1, row, r, k, x, t0, out, out_stride, is_bf16); break;
+        case 2: row_dot(type, 2, row, r, k, x, t0, out, out_stride, is_bf16); break;
+        case 3: row_dot(type, 3, row, r, k, x, t0, out, out_stride, is_bf16); break;
+        default: break;
+        }
+    }
+}
+
+static void rows_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                          const float *x, int64_t n_tokens, void *out, int64_t out_stride, int is_bf16) {
+    switch (type) {
+    case Q4_0: rows_of_type(Q4_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q4_1: rows_of_type(Q4_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_0: rows_of_type(Q5_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_1: rows_of_type(Q5_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q8_0: rows_of_type(Q8_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q4_K: rows_of_type(Q4_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q6_K: rows_of_type(Q6_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    default: break;
+    }
+}
+
+/* w: rows [n_rows] of row_bytes each (k / block_weights blocks of `type`); x [T, k] (row stride x_stride elements,
+ * float32 or bfloat16); out [T, n_rows] (row stride out_stride, x's dtype). Returns 0, -1 for a type or k the
+ * kernel does not take, -2 when the float32 copy of a bfloat16 x could not be allocated. */
+int gguf_matmul(const uint8_t *w, int64_t row_bytes, int type, int64_t n_rows, int64_t k, const void *x,
+                int64_t x_stride, int64_t n_tokens, void *out, int64_t out_stride, int is_bf16, int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || k % bw != 0 || row_bytes != k / bw * block_bytes(type)) return -1;
+    const float *xf = (const float *)x;
+    float *tmp = NULL;
+    if (is_bf16 || x_stride != k) { /* one dense float32 copy: the inner loop reads x at stride k */
+        tmp = (float *)malloc(sizeof(float) * (size_t)(n_tokens * k));
+        if (tmp == NULL) return -2;
+        for (int64_t t = 0; t < n_tokens; t++)
+            for (int64_t j = 0; j < k; j++) tmp[t * k + j] = load1(x, t * x_stride + j, is_bf16);
+        xf = tmp;
+    }
+    /* ROW_TILE rows per work item: the same rows of W meet every token while they are in L1/L2 */
+    const int64_t tiles = (n_rows + ROW_TILE - 1) / ROW_TILE;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n_rows * k * n_tokens >= PARALLEL_MIN)
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t r0 = i * ROW_TILE, r1 = r0 + ROW_TILE < n_rows ? r0 + ROW_TILE : n_rows;
+        rows_dispatch(type, w, row_bytes, r0, r1, k, xf, n_tokens, out, out_stride, is_bf16);
+    }
+    free(tmp);
+    return 0;
+}
+
+/* Dequantize rows [n_rows] of w (as gguf_matmul) into out [n_rows, k] float32 (row stride out_stride).
+ * Returns 0, or -1 for a type or k the kernel does not take. */
+int gguf_dequantize(const uint8_t *w, int64_t row_bytes, int type, int64_t n_rows, int64_t k, float *out,
+                    int64_t out_stride, int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || k % bw != 0 || row_bytes != k / bw * block_bytes(type)) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n_rows * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        float *o = out + r * out_stride;
+        for (int64_t c = 0; c < k / 32; c++) {
+#if defined(TM_AVX512)
+            __m512 w0, w1;
+            chunk_vec(type, row, c, &w0, &w1);
+            _mm512_storeu_ps(o + 32 * c, w0);
+            _mm512_storeu_ps(o + 32 * c + 16, w1);
+#else
+            chunk_scalar(type, row, c, o + 32 * c);
+#endif
+        }
+    }
+    return 0;
+}
