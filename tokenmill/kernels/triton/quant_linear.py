@@ -80,12 +80,16 @@ FP16_MAX = 65504.0
 # also unpacks once the dequantization (N * K elements written and read once) is small next to the
 # 2 * M * N * K FLOPs. cc < 8.0: M <= SMALL_M_MAX_CC70 -> split-K with float32 FMAs (memory-bound up to
 # about 8 rows on a V100: 8 FMAs per 4-bit weight at 15.7 TFLOP/s vs 900 GB/s); above -> dequantize + cuBLAS.
-SMALL_M_MAX = 16
-LARGE_M_MIN = 1024
-SMALL_M_MAX_CC70 = 8
+# Set from the H200 sweep (benchmarks/gpu/sweep_quant.py, log in benchmarks/gpu/results/session7/sweep.log):
+# split-K with 16- or 32-row dot tiles won every M <= 32, the tiled kernel at M = 64, dequantize + cuBLAS
+# from M = 128 on (the tiled kernel was 1.3-3.7x slower than it there). On the cc-7.0 path (fp16) the
+# GEMV kernel won at M = 1 and dequantize + cuBLAS from M = 4 on.
+SMALL_M_MAX = 32
+LARGE_M_MIN = 64
+SMALL_M_MAX_CC70 = 1
 # M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the no-tl.dot GEMV kernel (`quant_gemv_kernel`).
-GEMV_M_MAX = 4
-GEMV_M_MAX_CC70 = 4
+GEMV_M_MAX = 0  # on the H200 split-K beat the GEMV kernel at every M (sweep.log); kept for cc < 8.0
+GEMV_M_MAX_CC70 = 1
 # GEMV launch settings: rows per program, packed words per K step, warps, stages, programs wanted per SM.
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_KW = 16  # 4-bit: 128 columns, one tile per group of the common group size 128
@@ -563,7 +567,7 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
         bn = 64 if bm <= 4 else 32
         use_dot, warps, stages, path = False, 4, 1, "splitk"
     elif m <= small:
-        bm, bn, bk = 16, 64, block_k_for(w.bits)
+        bm, bn, bk = (16 if m <= 16 else 32), 128, block_k_for(w.bits)
         use_dot, warps, stages, path = True, 4, 3, "splitk"
     else:
         bm = 32 if m <= 32 else 64 if m <= 128 else 128
