@@ -88,7 +88,8 @@ def make_quant_params(lead: tuple[int, ...], rows: int, full_rows: int, shard: I
     """Empty quantized parameters for a weight [*lead, rows, K_r] (full checkpoint: [*lead, full_rows, K]).
 
     Each parameter carries `quant_kind` and `full_shape` (the unsharded
-    checkpoint tensor its weight loader accepts; the dummy loader draws it).
+    checkpoint tensor its weight loader accepts; the dummy loader draws it),
+    and the scheme's `quant_bits`, `quant_group_size` and the full K `full_in_features`.
     Returns {"qweight", "scales", ["qzeros"], ["g_idx"]} -> Parameter.
 
     Raises:
@@ -114,6 +115,8 @@ def make_quant_params(lead: tuple[int, ...], rows: int, full_rows: int, shard: I
         param = torch.nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
         param.quant_kind = kind
         param.full_shape = full_shape
+        # What a loader drawing random full tensors needs (model_loader/quantized.py `random_quantized`).
+        param.quant_bits, param.quant_group_size, param.full_in_features = scheme.bits, scheme.group_size, shard.full
         params[kind] = param
     return params
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -37,7 +38,7 @@ def load_weights_with_mapping(
     missing = _missing_prefixes(model)
     loaded: set[str] = set()
     for name, tensor in weights:
-        target, shard_id = _route(name, packed_modules_mapping)
+        target, shard_id = route_checkpoint_name(name, packed_modules_mapping)
         if missing and target.startswith(missing):
             continue
         param = _lookup(params, target, name)
@@ -52,20 +53,33 @@ def load_weights_with_mapping(
     return loaded
 
 
-def _route(name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
-    """(parameter name, shard id) of checkpoint tensor `name`; (name, None) when it is not a fused part."""
-    for fragment, (fused, shard_id) in packed_modules_mapping.items():
-        if fragment + "." in name:
-            return name.replace(fragment + ".", fused + "."), shard_id
-    return name, None
-
-
 def _lookup(params: dict[str, nn.Parameter], target: str, original: str) -> nn.Parameter:
     param = params.get(target)
     if param is None:
         raise ValueError(f"Checkpoint tensor {original!r} matches no parameter of the model "
                          f"(is the checkpoint for another architecture?).")
     return param
+
+
+def checkpoint_renamer(renames: dict[str, str] | None) -> Callable[[str], str]:
+    """name -> name with each fragment of `renames` replaced (Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
+    if not renames:
+        return lambda name: name
+    pattern = re.compile("|".join(re.escape(k) for k in renames))
+    return lambda name: pattern.sub(lambda m: renames[m.group(0)], name)
+
+
+def route_checkpoint_name(name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
+                          ) -> tuple[str, str | int | None]:
+    """(model name, shard id) of a checkpoint tensor or module name; (name, None) when it is no fused part.
+
+    `model.layers.0.self_attn.k_proj.qweight` -> (`model.layers.0.self_attn.qkv_proj.qweight`, "k").
+    """
+    dotted = name + "."
+    for fragment, (fused, shard_id) in packed_modules_mapping.items():
+        if fragment + "." in dotted:
+            return dotted.replace(fragment + ".", fused + ".", 1)[:-1], shard_id
+    return name, None
 
 
 # ---- pipeline parallelism ----------------------------------------------------------

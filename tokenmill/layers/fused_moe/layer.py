@@ -227,6 +227,18 @@ _PER_EXPERT_RE = re.compile(rf"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_pro
 _STACKED_RE = re.compile(rf"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.({_SUFFIXES}))?$")
 
 
+_EXPERT_MODULE_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+
+
+def expert_module(module_name: str) -> tuple[str, int, str] | None:
+    """(FusedMoE path, expert id, shard id) of a per-expert checkpoint module name, else None.
+
+    `model.layers.0.mlp.experts.3.up_proj` -> ("model.layers.0.mlp.experts", 3, "w3").
+    """
+    m = _EXPERT_MODULE_RE.match(module_name)
+    return None if m is None else (m.group(1), int(m.group(2)), _EXPERT_SHARDS[m.group(3)])
+
+
 def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
     """Load `name` into a FusedMoE parameter if it is an expert weight; else return None.
 
