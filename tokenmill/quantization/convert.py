@@ -1,0 +1,100 @@
+"""Checkpoint tensors -> tokenmill's quantized layout (tokenmill/kernels/quant_pack.py), streamed.
+
+A quantized module `<prefix>` arrives as several checkpoint tensors
+(`<prefix>.qweight`, `.scales`, ...; compressed-tensors' `.weight_packed`,
+`.weight_scale`, ...), possibly in different shards. `convert_weights` holds
+a module's tensors until the ones its config requires are all there, checks
+them against each other and the config, and yields tokenmill's tensors under
+the module's path:
+
+    <prefix>.qweight  int32 [N, ceil(K / p)]
+    <prefix>.scales   [N, ngroups] (the checkpoint's dtype)
+    <prefix>.qzeros   uint8 [N, ngroups]   only when the config has zero points
+    <prefix>.g_idx    int32 [K]            only with act-order
+
+Tensors the config makes redundant (a symmetric checkpoint's midpoint zeros,
+a trivial g_idx, compressed-tensors' weight_shape) are checked and dropped.
+Every other tensor (embeddings, norms, biases, unquantized modules) passes
+through unchanged. Per-expert MoE weights are ordinary modules
+(`...mlp.experts.3.gate_proj`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+
+import torch
+
+from tokenmill.quantization import awq, compressed_tensors, gptq
+from tokenmill.quantization.config import QuantizationConfig
+
+_FORMATS: dict[str, ModuleType] = {"awq": awq, "gptq": gptq, "compressed-tensors": compressed_tensors}
+_PACKED = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}
+
+
+def _format(cfg: QuantizationConfig) -> ModuleType:
+    if cfg.method not in _FORMATS:
+        raise ValueError(f"Quantization method {cfg.method!r} has no converter; "
+                         f"tokenmill reads {', '.join(_FORMATS)}.")
+    return _FORMATS[cfg.method]
+
+
+def convert_weights(cfg: QuantizationConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Convert a checkpoint's (name, tensor) stream to tokenmill's names and layout (module docstring).
+
+    Args:
+        cfg: the checkpoint's parsed quantization config.
+        weights: (name, tensor) pairs in any order (e.g. safetensors shards).
+
+    Yields:
+        (name, tensor) pairs; a module's converted tensors come as soon as
+        its last required tensor has arrived.
+
+    Raises:
+        ValueError: naming the tensor and the config field, when a tensor's
+            dtype or shape disagrees with the config (bits, group size,
+            zero points, act-order) or with the module's other tensors, when
+            a tensor appears twice, or when, at the end, a module misses a
+            required tensor (e.g. a qweight without its scales).
+    """
+    fmt = _format(cfg)
+    required = fmt.required_suffixes(cfg)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix not in fmt.SUFFIXES:
+            yield name, tensor
+            continue
+        if suffix not in required:
+            fmt.convert_optional(cfg, name, suffix, tensor)  # checked, then dropped
+            continue
+        parts = pending.setdefault(prefix, {})
+        if suffix in parts:
+            raise ValueError(f"Quantized checkpoint tensor {name} appears twice; the checkpoint is refused.")
+        parts[suffix] = tensor
+        if len(parts) == len(required):
+            del pending[prefix]
+            for our_suffix, out in fmt.convert_module(cfg, prefix, parts).items():
+                yield f"{prefix}.{our_suffix}", out
+    for prefix, parts in pending.items():
+        missing = sorted(required - parts.keys())
+        have = ", ".join(f"{prefix}.{s}" for s in sorted(parts))
+        field = {"qzeros": "zero points (sym / zero_point)", "weight_zero_point": "symmetric",
+                 "g_idx": "desc_act", "weight_g_idx": "actorder"}.get(missing[0], "tensors")
+        raise ValueError(f"Quantized checkpoint tensor {prefix}.{missing[0]} is missing (the checkpoint has "
+                         f"{have}); the quantization config's {field} requires "
+                         f"{', '.join(f'{prefix}.{s}' for s in missing)}. The checkpoint is refused.")
+
+
+def quantized_modules(cfg: QuantizationConfig, names: Iterable[str]) -> set[str]:
+    """Checkpoint module paths that hold quantized weights, from the tensor names alone.
+
+    `model.layers.0.self_attn.q_proj.qweight` -> `model.layers.0.self_attn.q_proj`
+    (compressed-tensors: `...q_proj.weight_packed`). Per-expert MoE modules
+    come out one per expert (`model.layers.0.mlp.experts.3.gate_proj`).
+    """
+    _format(cfg)
+    suffix = "." + _PACKED[cfg.method]
+    return {n[: -len(suffix)] for n in names if n.endswith(suffix)}
