@@ -10,9 +10,8 @@ reference libraries' dequantization of that checkpoint
 tolerance, and the engine's greedy tokens equal up to near-ties (the rule
 of tests/models/family_utils.py).
 
-Act-order: GPTQ derives the permutation from the Hessian of a layer's
-input, so q/k/v (and gate/up) share one; the fixtures draw one permutation
-per input width to match (tokenmill refuses fused parts whose g_idx differ).
+Act-order checkpoints share one permutation per input width
+(`engine_parity.write_shared_act_order`), as GPTQ's do.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ import os
 
 import pytest
 import torch
-from checkpoints import reference_dequantized_state_dict, save_tiny_hf_model, write_quantized_checkpoint
+from checkpoints import reference_dequantized_state_dict, save_tiny_hf_model
+from engine_parity import batch_prefill_logits, compare_greedy, hf_greedy, hf_logits, write_shared_act_order
 from safetensors.torch import save_file
 
-from tests.models.family_utils import batch_prefill_logits, compare_greedy, hf_greedy, hf_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.model_loader import get_model
@@ -56,21 +55,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-def write_shared_act_order(dense_dir: str, out_dir: str, **variant) -> str:
-    """`write_quantized_checkpoint` with one act-order permutation per input width (as GPTQ's Hessians give)."""
-    perms: dict[int, torch.Tensor] = {}
-    real_randperm = torch.randperm
-
-    def shared_randperm(n, *args, **kwargs):
-        if n not in perms:
-            perms[n] = real_randperm(n, *args, **kwargs)
-        return perms[n].clone()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "randperm", shared_randperm)
-        return write_quantized_checkpoint(dense_dir, out_dir, **variant)
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import save_tiny_hf_model
-from test_e2e_parity import write_shared_act_order
+from engine_parity import assert_greedy_match, write_shared_act_order
 
-from tests.distributed.test_parallel_parity import assert_greedy_match
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # two engines per case, one of them with 2 worker processes: ~20 s each
