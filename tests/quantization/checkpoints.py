@@ -7,10 +7,11 @@ published layout with the config the real tool writes:
 
 - awq: AutoAWQ's GEMM layout (qweight [K, N/8] and qzeros [K/G, N/8] with the
   interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales [K/G, N]),
-  packed by this file after AutoAWQ's `WQLinear_GEMM.from_linear`;
+  packed by this file (byte-identical to AutoAWQ's `WQLinear_GEMM.from_linear`, tested);
 - gptq: GPTQModel / AutoGPTQ's layout (qweight [K/p, N], qzeros [ngroups,
   N/p] minus one for `checkpoint_format: gptq`, scales, g_idx), packed by
-  this file after GPTQModel's packer;
+  this file (byte-identical to AutoGPTQ 0.7.1's `QuantLinear.pack`, checked
+  once outside the suite: see references.py);
 - compressed-tensors: `pack-quantized`, packed by compressed-tensors' own
   `pack_to_int32`.
 
@@ -21,25 +22,35 @@ projections). Left as they are, like the real tools do: embeddings,
 written per expert (`experts.3.gate_proj...`), as real AWQ/GPTQ MoE
 checkpoints are.
 
-`reference_dequantized_state_dict` reads such a folder back into dense
-weights with the reference library's own code: compressed-tensors'
-decompressor, AutoAWQ's `dequantize_gemm`; GPTQModel does not install on
-CPU here (it needs a newer torch and compiles extensions), so GPTQ uses this
-file's reading of GPTQModel's `dequantize_weight` and v1->v2 zero fix-up,
-written independently of tokenmill's converter.
+`quantize_state_dict` does the same for a dense state dict in memory
+(returning the tensors and the config dict).
+
+`reference_dequantized_state_dict` (tests/quantization/references.py,
+re-exported here) reads such a folder back into dense weights with the
+reference libraries' own code.
+
+Tests next to this file import it as `checkpoints`; tests elsewhere as
+`tests.quantization.checkpoints` (the repository root is on pytest's
+pythonpath; a dependency that installs a top-level `tests` package, as
+AutoGPTQ's wheel does, would shadow that name).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+try:  # imported as tests.quantization.checkpoints (from another test folder)
+    from .references import read_state_dict, reference_dequantized_state_dict
+except ImportError:  # imported as `checkpoints` by the tests next to it
+    from references import read_state_dict, reference_dequantized_state_dict
+
+__all__ = ["is_quantized_by_tools", "quantize_state_dict", "read_state_dict", "reference_dequantized_state_dict",
+           "save_tiny_hf_model", "write_quantized_checkpoint"]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 DEFAULT_SYMMETRIC = {"awq": False, "gptq": True, "compressed-tensors": True}
@@ -73,15 +84,6 @@ def save_tiny_hf_model(kind: str, folder: str, seed: int = 0, dtype: torch.dtype
 
 
 # ---- reading a dense folder ---------------------------------------------------------------------
-
-def _read_state_dict(folder: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
-    return out
-
 
 def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Split HF 5's stacked experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])."""
@@ -219,6 +221,42 @@ def _quantization_config(method, bits, group_size, symmetric, act_order, checkpo
             "version": "0.12.0"}
 
 
+def quantize_state_dict(state: dict[str, torch.Tensor], method: str, bits: int, group_size: int,
+                        act_order: bool = False, symmetric: bool | None = None, *,
+                        scale_dtype: torch.dtype = torch.float16, checkpoint_format: str = "gptq",
+                        skip_modules: tuple[str, ...] = (), seed: int = 0,
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """A dense state dict in `method`'s checkpoint format: (tensors, the quantization_config dict the tool writes).
+
+    Arguments as `write_quantized_checkpoint`. 2-D `*_proj.weight` tensors
+    (`is_quantized_by_tools`) not in `skip_modules` become the format's
+    tensors; stacked experts are split per expert; the rest is kept.
+
+    Raises:
+        ValueError: a shape the format cannot store (AWQ: N % 8, K % group_size).
+    """
+    symmetric = DEFAULT_SYMMETRIC[method] if symmetric is None else symmetric
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in _per_expert(state).items():
+        module = name[: -len(".weight")]
+        if not is_quantized_by_tools(name, t) or module in skip_modules:
+            out[name] = t
+            continue
+        perm = torch.randperm(t.shape[1], generator=gen) if act_order else None
+        if method == "awq":
+            parts = _write_awq(t, bits, group_size, symmetric, perm, scale_dtype)
+        elif method == "gptq":
+            parts = _write_gptq(t, bits, group_size, symmetric, perm, scale_dtype, checkpoint_format)
+        elif method == "compressed-tensors":
+            parts = _write_compressed_tensors(t, bits, group_size, symmetric, perm, scale_dtype)
+        else:
+            raise ValueError(f"unknown method {method!r}")
+        out.update({f"{module}.{suffix}": v for suffix, v in parts.items()})
+    qcfg = _quantization_config(method, bits, group_size, symmetric, act_order, checkpoint_format, list(skip_modules))
+    return out, qcfg
+
+
 def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bits: int, group_size: int,
                                act_order: bool = False, symmetric: bool | None = None, *,
                                scale_dtype: torch.dtype = torch.float16, checkpoint_format: str = "gptq",
@@ -248,34 +286,18 @@ def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bit
     Returns:
         out_dir.
     """
-    symmetric = DEFAULT_SYMMETRIC[method] if symmetric is None else symmetric
     os.makedirs(out_dir, exist_ok=True)
     for entry in os.listdir(model_dir_in):
         src = os.path.join(model_dir_in, entry)
         if os.path.isfile(src) and not entry.endswith(".safetensors") and entry not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy(src, os.path.join(out_dir, entry))
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in _per_expert(_read_state_dict(model_dir_in)).items():
-        module = name[: -len(".weight")]
-        if not is_quantized_by_tools(name, t) or module in skip_modules:
-            out[name] = t
-            continue
-        perm = torch.randperm(t.shape[1], generator=gen) if act_order else None
-        if method == "awq":
-            parts = _write_awq(t, bits, group_size, symmetric, perm, scale_dtype)
-        elif method == "gptq":
-            parts = _write_gptq(t, bits, group_size, symmetric, perm, scale_dtype, checkpoint_format)
-        elif method == "compressed-tensors":
-            parts = _write_compressed_tensors(t, bits, group_size, symmetric, perm, scale_dtype)
-        else:
-            raise ValueError(f"unknown method {method!r}")
-        out.update({f"{module}.{suffix}": v for suffix, v in parts.items()})
+    out, qcfg = quantize_state_dict(read_state_dict(model_dir_in), method, bits, group_size, act_order, symmetric,
+                                    scale_dtype=scale_dtype, checkpoint_format=checkpoint_format,
+                                    skip_modules=skip_modules, seed=seed)
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(model_dir_in, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    qcfg = _quantization_config(method, bits, group_size, symmetric, act_order, checkpoint_format, list(skip_modules))
     if config_file == "config.json":
         config["quantization_config"] = qcfg
     else:
@@ -284,124 +306,3 @@ def write_quantized_checkpoint(model_dir_in: str, out_dir: str, method: str, bit
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return out_dir
-
-
-# ---- reference dequantization -------------------------------------------------------------------
-
-def _read_quantization_config(folder: str) -> dict:
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    if "quantization_config" in config:
-        return config["quantization_config"]
-    for name in ("quantize_config.json", "quant_config.json"):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-    raise ValueError(f"{folder} has no quantization config")
-
-
-def autoawq_packing_utils():
-    """AutoAWQ's `awq/utils/packing_utils.py`, loaded on its own: `import awq` runs AutoAWQ's model registry,
-    which needs `datasets` and a CUDA-era transformers; the unpacking code itself is plain torch."""
-    spec = importlib.util.find_spec("awq")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "utils", "packing_utils.py")
-    mod_spec = importlib.util.spec_from_file_location("autoawq_packing_utils", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
-
-
-def _awq_reference(parts: dict, cfg: dict) -> torch.Tensor:
-    utils = autoawq_packing_utils()
-    if utils is None:
-        raise ModuleNotFoundError("autoawq", name="awq")
-    k = parts["qweight"].shape[0]
-    group = cfg.get("group_size", cfg.get("q_group_size"))
-    w = utils.dequantize_gemm(parts["qweight"], parts["qzeros"], parts["scales"], 4, k if group == -1 else group)
-    return w.t().contiguous()
-
-
-def _gptq_reference(parts: dict, cfg: dict) -> torch.Tensor:
-    """GPTQModel's dequantize_weight, read: zeros unpacked along N, weights along K, W^T = s[g] * (q - z[g])."""
-    bits = cfg["bits"]
-    p, mask = 32 // bits, (1 << bits) - 1
-    qzeros = parts["qzeros"].to(torch.int64)
-    if cfg.get("checkpoint_format", cfg.get("format", "gptq")) == "gptq":  # GPTQModel's v1 -> v2 conversion
-        qzeros = (qzeros + int("".join(["0" * (bits - 1) + "1"] * p), 2)) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, bits)
-    zeros = ((qzeros.unsqueeze(2) >> shifts) & mask).reshape(qzeros.shape[0], -1)
-    scales = parts["scales"]
-    zeros = zeros[:, : scales.shape[1]]
-    qweight = parts["qweight"].to(torch.int64) & 0xFFFFFFFF
-    weight = ((qweight.unsqueeze(1) >> shifts.unsqueeze(-1)) & mask).reshape(-1, qweight.shape[1])
-    g_idx = parts["g_idx"].long()
-    weight = weight[: g_idx.shape[0]]
-    return (scales[g_idx] * (weight - zeros[g_idx]).to(scales.dtype)).t().contiguous()
-
-
-def _ct_reference(parts: dict, cfg: dict) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-    cfg = json.loads(json.dumps(cfg))
-    for group in cfg["config_groups"].values():
-        if group["weights"].get("actorder") == "group":  # validated by tokenmill; see below
-            group["weights"]["actorder"] = None
-    qc = QuantizationConfig.model_validate({k: v for k, v in cfg.items()
-                                            if k not in ("sparsity_config", "transform_config", "version")})
-    scheme: QuantizationScheme = next(iter(qc.config_groups.values()))
-    args = scheme.weights
-    if "weight_g_idx" not in parts:
-        state = {k: v for k, v in parts.items()}
-        return PackedQuantizationCompressor.decompress(state, scheme)["weight"]
-    # compressed-tensors dropped actorder "group" (g_idx) decompression; its group dequantize runs on columns
-    # sorted by group (each group has exactly group_size columns), then the columns go back in place.
-    g_idx = parts["weight_g_idx"].long()
-    shape = parts["weight_shape"]
-    counts = torch.bincount(g_idx)
-    assert bool((counts == args.group_size).all()), "act-order groups must each hold group_size columns"
-    order = torch.argsort(g_idx, stable=True)
-    q = unpack_from_int32(parts["weight_packed"], args.num_bits, shape)
-    zp = None
-    if not args.symmetric:
-        zp = unpack_from_int32(parts["weight_zero_point"], args.num_bits,
-                               (int(shape[0]), parts["weight_scale"].shape[-1]), packed_dim=0)
-    w_sorted = dequantize(x_q=q[:, order], scale=parts["weight_scale"], zero_point=zp, args=args)
-    w = torch.empty_like(w_sorted)
-    w[:, order] = w_sorted
-    return w
-
-
-_REFERENCE = {"awq": (_awq_reference, "qweight"), "gptq": (_gptq_reference, "qweight"),
-              "compressed-tensors": (_ct_reference, "weight_packed")}
-_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-             "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx",
-                                    "weight_shape")}
-
-
-def reference_dequantized_state_dict(out_dir: str) -> dict[str, torch.Tensor]:
-    """The dense state dict a quantized folder stands for, dequantized by the reference libraries' code.
-
-    Quantized modules come back as `<module>.weight` [N, K] in the scales'
-    dtype (the libraries multiply in it); every other tensor unchanged.
-    Per-expert MoE weights keep their per-expert names.
-    """
-    cfg = _read_quantization_config(out_dir)
-    method = cfg.get("quant_method", "gptq" if "desc_act" in cfg or "sym" in cfg else "awq")
-    reference, packed = _REFERENCE[method]
-    state = _read_state_dict(out_dir)
-    modules = {n[: -len(packed) - 1] for n in state if n.endswith("." + packed)}
-    out = {}
-    for name, t in state.items():
-        module, _, suffix = name.rpartition(".")
-        if module not in modules or suffix not in _SUFFIXES[method]:
-            out[name] = t
-    for module in sorted(modules):
-        parts = {s: state[f"{module}.{s}"] for s in _SUFFIXES[method] if f"{module}.{s}" in state}
-        out[f"{module}.weight"] = reference(parts, cfg)
-    return out

@@ -67,8 +67,10 @@ def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfi
         raise ValueError(f"{source}: format = 'float-quantized' (FP8 weights) is not supported yet; it belongs "
                          "to tokenmill's FP8 work. This release reads pack-quantized int4/int8 weights.")
     require(fmt == FORMAT, source, "format", fmt, "only pack-quantized int4/int8 weights (W4A16, W8A16) are read")
+    # Older llm-compressor releases wrote "frozen" over packed weights; the tensors decide (a dense `weight`
+    # with scales has no weight_packed and is refused at load).
     status = raw.get("quantization_status", "compressed")
-    require(status == "compressed", source, "quantization_status", status,
+    require(status in ("compressed", "frozen"), source, "quantization_status", status,
             "only compressed checkpoints (packed weights) are read")
     for key in ("kv_cache_scheme", "transform_config", "moe_sparsity_config"):
         require(not raw.get(key), source, key, raw.get(key), "must be null")
@@ -195,10 +197,13 @@ def convert_module(cfg: QuantizationConfig, prefix: str, parts: dict[str, torch.
     out = {"qweight": packed, "scales": scale.contiguous()}
     if cfg.has_zeros:
         zp = parts["weight_zero_point"]
-        if zp.dtype != torch.int32 or list(zp.shape) != [-(-n // p), ngroups]:
+        if zp.dtype == torch.int8 and list(zp.shape) == [n, ngroups]:  # unpacked signed zeros (older releases)
+            out["qzeros"] = (zp.to(torch.int16) + (1 << (cfg.bits - 1))).to(torch.uint8)
+        elif zp.dtype != torch.int32 or list(zp.shape) != [-(-n // p), ngroups]:
             raise bad_tensor(f"{prefix}.weight_zero_point", "num_bits", f"expected int32 [{-(-n // p)}, {ngroups}] "
                              f"(packed along N), got {zp.dtype} {list(zp.shape)}")
-        out["qzeros"] = unpack_zero_points(zp, cfg.bits, n)
+        else:
+            out["qzeros"] = unpack_zero_points(zp, cfg.bits, n)
     if cfg.act_order:
         g_idx = parts["weight_g_idx"]
         if list(g_idx.shape) != [k] or (k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= ngroups)):

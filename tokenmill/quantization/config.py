@@ -122,7 +122,8 @@ def parse_quantization_config(raw: dict) -> QuantizationConfig:
     if method == "compressed-tensors":
         from tokenmill.quantization.compressed_tensors import parse_compressed_tensors_config
         return parse_compressed_tensors_config(raw, source)
-    raise ValueError(f"{source}: quant_method {method!r} is not supported; tokenmill reads "
+    later = " (FP8 checkpoints belong to tokenmill's FP8 work, not yet merged)" if "fp8" in method else ""
+    raise ValueError(f"{source}: quant_method {method!r} is not supported{later}; tokenmill reads "
                      f"{', '.join(METHODS)} int4/int8 weight checkpoints.")
 
 
@@ -221,6 +222,12 @@ def is_ignored(cfg: QuantizationConfig, module_name: str) -> bool:
     An entry matches the exact module name, or with a "re:" prefix the
     pattern `re.match`es it (compressed-tensors' rule; AWQ's substring
     `modules_to_not_convert` entries are stored as such patterns).
+
+    For a real checkpoint the tensors are the authority
+    (`convert.quantized_modules`: a module is quantized when its packed
+    weight is stored); this answers for weights that are not read from a
+    checkpoint (dummy weights) and for messages. AWQ's substring rule is
+    broad: an entry "mlp.gate" also matches "mlp.gate_proj".
     """
     for entry in cfg.ignore:
         if entry.startswith("re:"):
@@ -239,7 +246,7 @@ def substring_pattern(name: str) -> str:
 def bad_tensor(name: str, field: str, why: str) -> ValueError:
     """The load error for a checkpoint tensor that disagrees with the config: names the tensor and the field."""
     return ValueError(f"Quantized checkpoint tensor {name} disagrees with the quantization config's {field}: "
-                      f"{why}. The checkpoint is refused (nothing was loaded).")
+                      f"{why}. The checkpoint is refused.")
 
 
 # Keys GPTQModel writes into every config it exports (GPTQ and AWQ alike), beyond the method's own.

@@ -62,6 +62,7 @@ def convert_weights(cfg: QuantizationConfig, weights: Iterable[tuple[str, torch.
     fmt = _format(cfg)
     required = fmt.required_suffixes(cfg)
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()  # converted modules: a tensor of theirs arriving again is a duplicate
     for name, tensor in weights:
         prefix, _, suffix = name.rpartition(".")
         if suffix not in fmt.SUFFIXES:
@@ -71,11 +72,12 @@ def convert_weights(cfg: QuantizationConfig, weights: Iterable[tuple[str, torch.
             fmt.convert_optional(cfg, name, suffix, tensor)  # checked, then dropped
             continue
         parts = pending.setdefault(prefix, {})
-        if suffix in parts:
+        if suffix in parts or prefix in done:
             raise ValueError(f"Quantized checkpoint tensor {name} appears twice; the checkpoint is refused.")
         parts[suffix] = tensor
         if len(parts) == len(required):
             del pending[prefix]
+            done.add(prefix)
             for our_suffix, out in fmt.convert_module(cfg, prefix, parts).items():
                 yield f"{prefix}.{our_suffix}", out
     for prefix, parts in pending.items():

@@ -106,13 +106,14 @@ def convert_optional(cfg: QuantizationConfig, name: str, suffix: str, t: torch.T
     """
     if suffix == "qzeros":
         if not bool((unpack_zeros(cfg, t) == 1 << (cfg.bits - 1)).all()):
-            raise bad_tensor(name, "sym", f"sym is true but the zero points are not {1 << (cfg.bits - 1)} "
-                             f"(or the tensors are not {cfg.bits}-bit)")
+            raise bad_tensor(name, "sym / bits", f"sym is true but the zero points are not the midpoint "
+                             f"{1 << (cfg.bits - 1)} of {cfg.bits}-bit values")
         return None
     k = t.shape[0]
     trivial = torch.arange(k, device=t.device) // (k if cfg.group_size == -1 else cfg.group_size)
     if t.dim() != 1 or not bool((t.to(torch.int64) == trivial).all()):
-        raise bad_tensor(name, "desc_act", "desc_act is false but g_idx is not k // group_size")
+        raise bad_tensor(name, "desc_act / group_size", f"g_idx is not k // {cfg.group_size}, the order that "
+                         f"desc_act false and group_size {cfg.group_size} imply")
     return None
 
 
@@ -141,7 +142,7 @@ def convert_module(cfg: QuantizationConfig, prefix: str, parts: dict[str, torch.
         raise bad_tensor(f"{prefix}.scales", "shape", f"scales {list(scales.shape)} must have N = {n} columns "
                          f"like qweight {list(qweight.shape)}")
     if scales.shape[0] != ngroups:
-        raise bad_tensor(f"{prefix}.scales", "group_size", f"{scales.shape[0]} groups for K = {k} input rows; "
+        raise bad_tensor(f"{prefix}.scales", "group_size / bits", f"{scales.shape[0]} groups for K = {k} input rows; "
                          f"group_size {cfg.group_size} with {cfg.bits} bits gives {ngroups}")
     if k == qweight.shape[0] * p:
         ours = qweight.t().contiguous()  # GPTQ packs along K already: the same words, transposed
