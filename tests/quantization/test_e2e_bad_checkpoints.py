@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import save_tiny_hf_model, write_quantized_checkpoint
+from checkpoints import write_quantized_checkpoint
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM
@@ -22,9 +22,8 @@ from tokenmill.model_loader import get_model
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory) -> dict[str, str]:
-    dense = save_tiny_hf_model("llama", str(tmp_path_factory.mktemp("dense_llama")))
-    return {m: write_quantized_checkpoint(dense, str(tmp_path_factory.mktemp(m)), m, 4, 32)
+def good(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
+    return {m: write_quantized_checkpoint(tiny_llama_dir, str(tmp_path_factory.mktemp(m)), m, 4, 32)
             for m in ("gptq", "awq")}
 
 

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from checkpoints import reference_dequantized_state_dict, save_tiny_hf_model
+from checkpoints import reference_dequantized_state_dict
 from engine_parity import batch_prefill_logits, compare_greedy, hf_greedy, hf_logits, write_shared_act_order
 from safetensors.torch import save_file
 
@@ -48,19 +48,10 @@ MAX_TOKENS = 16
 LOGIT_TOL = 2e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads cost more than they save (and 2 cores are shared)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="session")
-def dense_models(tmp_path_factory) -> dict[str, str]:
-    """model kind -> folder of its tiny random dense HF checkpoint."""
-    return {kind: save_tiny_hf_model(kind, str(tmp_path_factory.mktemp(f"dense_{kind}"))) for kind in MODELS}
+def dense_models(tiny_llama_dir, tiny_qwen3_dir, tiny_qwen3_moe_dir) -> dict[str, str]:
+    """model kind -> folder of its tiny random dense HF checkpoint (conftest.py)."""
+    return {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "qwen3_moe": tiny_qwen3_moe_dir}
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ gets a synthesized g_idx), and down_proj's 256 at a group boundary.
 from __future__ import annotations
 
 import pytest
-from checkpoints import save_tiny_hf_model
 from engine_parity import assert_greedy_match, write_shared_act_order
 
 from tokenmill import LLM, SamplingParams
@@ -35,9 +34,9 @@ def _generate(folder: str, **kw):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_matches_tp1(tmp_path, case):
+def test_tp2_matches_tp1(request, tmp_path, case):
     kind, variant = CASES[case]
-    dense = save_tiny_hf_model(kind, str(tmp_path / "dense"))
+    dense = request.getfixturevalue(f"tiny_{kind}_dir")  # conftest.py's session-wide dense models
     folder = write_shared_act_order(dense, str(tmp_path / "quantized"), **variant)
     ref = _generate(folder)
     got = _generate(folder, tensor_parallel_size=2)
