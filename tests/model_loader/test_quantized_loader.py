@@ -190,3 +190,18 @@ def test_quantization_flag_must_agree_with_the_checkpoint(tmp_path):
 def test_unquantized_checkpoint_has_no_quantization(tiny_dir):
     cfg = EngineArgs(model=tiny_dir, load_format="dummy", skip_tokenizer_init=True).create_engine_config()
     assert cfg.model_config.quantization is None
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq_marlin", "compressed-tensors"])
+def test_dummy_weights_quantized_from_the_flag_alone(tmp_path, method):
+    from tokenmill.model_loader import get_model
+
+    _llama_config().save_pretrained(tmp_path)
+    cfg = EngineArgs(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+                     quantization=method).create_engine_config()
+    q = cfg.model_config.quantization
+    assert (q.method, q.bits, q.group_size) == (method.removesuffix("_marlin"), 4, 128)
+    model = get_model(cfg.model_config, "cpu", "float32")
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 128)
+    with pytest.raises(ValueError, match="no quantization config"):  # a real checkpoint is never quantized at load
+        EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, quantization=method).create_engine_config()

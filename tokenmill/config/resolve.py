@@ -226,16 +226,35 @@ def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
                              "are dequantized at load); drop the flag.")
         return None
     from tokenmill.quantization import check_supported, find_quantization_config, resolve_quantization
+    from tokenmill.quantization.config import ALIASES
 
     raw = find_quantization_config(source.weights_path, hf_config)
     if raw is None and args.quantization is None:
         return None
+    if raw is None and args.load_format == "dummy":  # speed runs from a bare config.json
+        method = ALIASES.get(args.quantization.lower(), args.quantization.lower())
+        raw = _DUMMY_QUANTIZATION.get(method)
+        if raw is not None:
+            logger.info("--load-format dummy --quantization %s: random weights quantized as a 4-bit, group-128 "
+                        "%s checkpoint (put a quantization_config in config.json for another scheme)",
+                        args.quantization, method)
     cfg = resolve_quantization(raw, args.quantization)
     if cfg is not None:
         capability = platform.get_device_capability() if platform.device_type == "cuda" else None
         check_supported(cfg, platform.device_type, capability)
     return cfg
 
+
+# The scheme dummy weights get from `--quantization` alone (the usual published W4A16 g128 checkpoints).
+_DUMMY_QUANTIZATION = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "quantization_status": "compressed", "ignore": ["lm_head"], "config_groups": {
+                               "group_0": {"targets": ["Linear"], "weights": {
+                                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                   "group_size": 128}}}},
+}
 
 # vLLM's AWQ and GPTQ kernels take float16 activations; with --dtype auto a GPU follows them.
 _FP16_METHODS = ("awq", "gptq")
