@@ -48,6 +48,7 @@ from tokenmill.layers.quant_params import (
     narrow_input,
     needs_synthetic_g_idx,
     quant_tensors,
+    scale_dtype,
     synthetic_g_idx,
 )
 
@@ -112,8 +113,9 @@ class LinearBase(nn.Module):
             ValueError: this rank's input rows start inside a packed int32 word.
         """
         weight = self.weight
-        params = make_quant_params((), weight.shape[0], weight.full_shape[0], self.input_shard, scheme, weight.dtype,
-                                   weight.device)
+        self.params_dtype = weight.dtype  # what `dequantize` returns
+        params = make_quant_params((), weight.shape[0], weight.full_shape[0], self.input_shard, scheme,
+                                   scale_dtype(weight), weight.device)
         self.weight = None  # the parameter goes; `weight` stays an attribute (None) for code that checks it
         for kind, param in params.items():
             param.weight_loader = self.weight_loader
@@ -128,11 +130,11 @@ class LinearBase(nn.Module):
         return quant_tensors(self, "", self.quant, self.input_shard.size)
 
     def dequantize(self) -> None:
-        """Replace the loaded quantized tensors by the dense `weight` they stand for, in the scales' dtype.
+        """Replace the loaded quantized tensors by the dense `weight` they stand for, in the layer's dtype.
 
         The CPU path: afterwards the layer is a plain dense layer (oneDNN packing included).
         """
-        weight = kernels.dequantize_weight(self.quant_tensors(), self.scales.dtype)
+        weight = kernels.dequantize_weight(self.quant_tensors(), self.params_dtype)
         for kind in QUANT_KINDS:
             if kind in self._parameters:
                 del self._parameters[kind]

@@ -5,7 +5,7 @@ A quantized layer holds, instead of `weight [N, K]`, the tensors of
 expert dim E), each a parameter tagged `quant_kind`:
 
     qweight  int32 [N, ceil(K_r / p)]        quant_kind "qweight"
-    scales   dtype [N, ngroups_r]            quant_kind "scales"
+    scales   float [N, ngroups_r]            quant_kind "scales" (`scale_dtype`)
     qzeros   uint8 [N, ngroups_r]            quant_kind "qzeros" (only with zero points)
     g_idx    int32 [K_r]                     quant_kind "g_idx"  (only for act-order checkpoints)
 
@@ -81,6 +81,16 @@ def synthetic_g_idx(scheme: QuantScheme, shard: InputShard) -> torch.Tensor:
     g0, _ = group_range(scheme, shard)
     rows = torch.arange(shard.start, shard.start + shard.size)
     return (rows // scheme.group_size - g0).to(torch.int32)
+
+
+def scale_dtype(weight: torch.Tensor) -> torch.dtype:
+    """dtype of a quantized layer's scales: the weight's on GPUs (the kernels read it), float32 on the CPU.
+
+    A CPU layer is dequantized right after loading, so float32 scales (exact
+    for the float16 / bfloat16 / float32 scales checkpoints store) round the
+    dense weight once, into the model's dtype, instead of twice.
+    """
+    return torch.float32 if weight.device.type == "cpu" else weight.dtype
 
 
 def make_quant_params(lead: tuple[int, ...], rows: int, full_rows: int, shard: InputShard, scheme: QuantScheme,

@@ -41,6 +41,7 @@ from tokenmill.layers.quant_params import (
     narrow_input,
     needs_synthetic_g_idx,
     quant_tensors,
+    scale_dtype,
     synthetic_g_idx,
 )
 
@@ -115,8 +116,8 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word.
         """
-        e, i_p, dtype, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.dtype, \
-            self.w13_weight.device
+        e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
+        self.params_dtype, dtype = self.w13_weight.dtype, scale_dtype(self.w13_weight)
         parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
                  ("w2", self.hidden_size, self.hidden_size, self.w2_input))
         for part, rows, full_rows, shard in parts:
@@ -137,10 +138,9 @@ class FusedMoE(nn.Module):
         return quant_tensors(self, f"{part}_", self.quant, shard.size)
 
     def dequantize(self) -> None:
-        """Replace the loaded quantized experts by dense w13_weight / w2_weight in the scales' dtype (CPU path)."""
+        """Replace the loaded quantized experts by dense w13_weight / w2_weight in the layer's dtype (CPU path)."""
         for part in ("w13", "w2"):
-            qt = self.quant_tensors(part)
-            dense = kernels.dequantize_weight(qt, qt.scales.dtype)
+            dense = kernels.dequantize_weight(self.quant_tensors(part), self.params_dtype)
             for kind in QUANT_KINDS:
                 self._parameters.pop(f"{part}_{kind}", None)
                 self._buffers.pop(f"{part}_{kind}", None)
