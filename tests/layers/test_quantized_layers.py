@@ -131,7 +131,8 @@ def test_merged_and_qkv_parts(monkeypatch, tp):
         _as_rank(monkeypatch, rank, tp)
         merged = linear_mod.MergedColumnParallelLinear(64, [32, 32])
         qkv = linear_mod.QKVParallelLinear(64, 8, 4, 2)
-        dense_m, dense_qkv = linear_mod.MergedColumnParallelLinear(64, [32, 32]), linear_mod.QKVParallelLinear(64, 8, 4, 2)
+        dense_m = linear_mod.MergedColumnParallelLinear(64, [32, 32])
+        dense_qkv = linear_mod.QKVParallelLinear(64, 8, 4, 2)
         merged.quantize(scheme)
         qkv.quantize(scheme)
         for i, name in enumerate(("gate", "up")):
@@ -182,7 +183,8 @@ def test_fused_moe_per_expert(monkeypatch, tp, scheme_name):
                 q = quantize_full(w, scheme, seed)
                 for kind, t in q.items():
                     assert moe_mod.load_expert_weight(params, f"m.experts.{j}.{proj}.{kind}", t) is not None
-                moe_mod.load_expert_weight(dense_params, f"m.experts.{j}.{proj}.weight", dense_of(q, scheme, w.shape[1]))
+                moe_mod.load_expert_weight(dense_params, f"m.experts.{j}.{proj}.weight",
+                                           dense_of(q, scheme, w.shape[1]))
         out = moe(x, logits)
         torch.testing.assert_close(out, dense(x, logits), rtol=1e-5, atol=1e-5)
         ref_out += out

@@ -95,10 +95,20 @@ def _checkpoint_targets(model: nn.Module, modules: dict[str, nn.Module], checkpo
     for target, parts in found.items():
         expected = _expected_parts(target, modules[target], mapping)
         if set(parts) != expected:
-            missing = sorted(map(str, expected - set(parts)))
-            raise ValueError(f"The checkpoint quantizes only part of the fused layer {target} ({', '.join(sorted(parts.values())[:4])} "
-                             f"quantized; {', '.join(missing[:4])} not); a fused layer must be all quantized or all not.")
+            missing = sorted(_part_label(target, part, mapping) for part in expected - set(parts))
+            names = sorted(parts.values())
+            have = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ValueError(f"The checkpoint quantizes only part of the fused layer {target} ({have} quantized; "
+                             f"parts {', '.join(missing[:4])} not); a fused layer must be all quantized or all not.")
     return list(found)
+
+
+def _part_label(target: str, part: object, mapping: dict[str, tuple[str, str | int]]) -> str:
+    """A missing part as the checkpoint names it: `v_proj`, `expert 2 w2`."""
+    if isinstance(part, tuple):
+        return f"expert {part[0]} {part[1]}"
+    frags = [frag for frag, (fused, sid) in mapping.items() if sid == part and (target + ".").endswith(fused + ".")]
+    return frags[0].lstrip(".") if frags else str(part)
 
 
 def _dummy_target(cfg, name: str, module: nn.Module, mapping: dict[str, tuple[str, str | int]]) -> bool:

@@ -3,4 +3,5 @@
 from tokenmill.layers.fused_moe.layer import FusedMoE, expert_module, fused_experts, load_expert_weight
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
 
-__all__ = ["FusedMoE", "expert_module", "fused_experts", "fused_experts_reference", "load_expert_weight", "select_experts"]
+__all__ = ["FusedMoE", "expert_module", "fused_experts", "fused_experts_reference", "load_expert_weight",
+           "select_experts"]
