@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenmill.kernels.quant_pack import pack_along_last
 from tokenmill.layers.fused_moe import FusedMoE, expert_module
 from tokenmill.layers.linear import LinearBase, ReplicatedLinear
 from tokenmill.layers.quant_params import QuantScheme
@@ -173,11 +174,12 @@ def random_quantized(param: torch.Tensor, full_shape: tuple[int, ...], generator
     kind, device = param.quant_kind, param.device
     bits, k = param.quant_bits, param.full_in_features
     if kind == "qweight":
+        if k % (32 // bits) == 0:  # every int32 word is valid: uniform words are uniform codes
+            return torch.randint(-(1 << 31), 1 << 31, full_shape, device=device, generator=generator,
+                                 dtype=torch.int32)
         codes = torch.randint(0, 1 << bits, (*full_shape[:-1], k), device=device, generator=generator,
                               dtype=torch.int64)
-        from tokenmill.kernels.quant_pack import pack_along_last
-
-        return pack_along_last(codes, bits)
+        return pack_along_last(codes, bits)  # zero bits past K in each row's last word
     if kind == "scales":
         base = std * 12**0.5 / (1 << bits)  # uniform codes: std of (q - z) is 2^b / sqrt(12)
         return base * (0.5 + torch.rand(full_shape, device=device, generator=generator))
