@@ -36,6 +36,7 @@ from tokenmill.platforms.interface import Platform
 
 if TYPE_CHECKING:
     from tokenmill.config.args import EngineArgs
+    from tokenmill.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,8 @@ def _resolve_architecture(hf_config: Any) -> str:
                      f"Supported architectures: {', '.join(get_supported_archs())}.")
 
 
-def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any, platform: Platform):
+def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
+                          platform: Platform) -> QuantizationConfig | None:
     """The checkpoint's int4/int8 config confirmed (or overridden) by --quantization, checked against the device.
 
     Returns a `tokenmill.quantization.QuantizationConfig`, or None for 16/32-bit weights.
@@ -261,7 +263,7 @@ _FP16_METHODS = ("awq", "gptq")
 
 
 def _resolve_dtype(requested: str, platform: Platform, architecture: str | None = None,
-                   quantization=None) -> torch.dtype:
+                   quantization: QuantizationConfig | None = None) -> torch.dtype:
     # Model classes with `fp16_unsafe = True` (Gemma 3: activations overflow fp16) never get fp16 from "auto".
     fp16_unsafe = bool(architecture) and getattr(resolve_model_cls([architecture])[0], "fp16_unsafe", False)
     if requested == "auto" and quantization is not None and quantization.method in _FP16_METHODS \

@@ -23,10 +23,14 @@ row -> local group), the act-order form of the same weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+
+if TYPE_CHECKING:
+    from tokenmill.quantization import QuantizationConfig
 
 QUANT_KINDS = ("qweight", "scales", "qzeros", "g_idx")
 
@@ -41,7 +45,7 @@ class QuantScheme:
     act_order: bool  # g_idx tensors present
 
     @classmethod
-    def from_config(cls, cfg) -> QuantScheme:
+    def from_config(cls, cfg: QuantizationConfig) -> QuantScheme:
         """From a `tokenmill.quantization.QuantizationConfig` (bits, group_size, has_zeros, act_order)."""
         return cls(cfg.bits, cfg.group_size, cfg.has_zeros, cfg.act_order)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from tokenmill.layers.fused_moe import FusedMoE, expert_module
 from tokenmill.layers.linear import LinearBase, ReplicatedLinear
 from tokenmill.layers.quant_params import QuantScheme
 from tokenmill.models.utils import PPMissingLayer, checkpoint_renamer, route_checkpoint_name
+
+if TYPE_CHECKING:
+    from tokenmill.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ def _route_module(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple
     return route_checkpoint_name(name, mapping)
 
 
-def quantize_layers(model: nn.Module, cfg, checkpoint_modules: Iterable[str] | None) -> int:
+def quantize_layers(model: nn.Module, cfg: QuantizationConfig, checkpoint_modules: Iterable[str] | None) -> int:
     """Make the layers `checkpoint_modules` names quantized layers (with `cfg`'s scheme); returns how many.
 
     Args:
@@ -112,7 +116,7 @@ def _part_label(target: str, part: object, mapping: dict[str, tuple[str, str | i
     return frags[0].lstrip(".") if frags else str(part)
 
 
-def _dummy_target(cfg, name: str, module: nn.Module, mapping: dict[str, tuple[str, str | int]]) -> bool:
+def _dummy_target(cfg: QuantizationConfig, name: str, module: nn.Module, mapping: dict[str, tuple[str, str | int]]) -> bool:
     from tokenmill.quantization import is_ignored
 
     if isinstance(module, FusedMoE):
@@ -124,7 +128,7 @@ def _dummy_target(cfg, name: str, module: nn.Module, mapping: dict[str, tuple[st
 
 
 def dequantize_layers(model: nn.Module) -> int:
-    """Turn every loaded quantized layer back into a dense one, in its scales' dtype (the CPU path).
+    """Turn every loaded quantized layer back into a dense one, in the layer's dtype (the CPU path).
 
     One layer at a time, so the peak is the quantized model plus one dense
     layer. Returns the number of layers dequantized.
@@ -157,7 +161,7 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def describe_quantization(cfg) -> str:
+def describe_quantization(cfg: QuantizationConfig) -> str:
     """`awq int4 g128` style summary of a config for log lines."""
     group = "channel" if cfg.group_size == -1 else f"g{cfg.group_size}"
     return f"{cfg.method} int{cfg.bits} {group}{' act-order' if cfg.act_order else ''}"
