@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.quantization import QuantizationConfig
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB]?)?\s*$")
 
@@ -66,6 +69,8 @@ class ModelConfig:
     revision: str | None = None
     chat_template: str | None = None
     tokenizer_mode: str = "auto"  # auto | hf (fast tokenizer) | slow
+    # int4/int8 weights: the checkpoint's config as resolved with --quantization; None = 16/32-bit weights
+    quantization: QuantizationConfig | None = None
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ from tokenmill.platforms.interface import Platform
 
 if TYPE_CHECKING:
     from tokenmill.config.args import EngineArgs
+    from tokenmill.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
         from tokenmill.platforms.cuda import check_visible_gpus
 
         check_visible_gpus()
-    dtype = _resolve_dtype(args.dtype, platform, architecture)
+    quantization = _resolve_quantization(args, source, hf_config, platform)
+    dtype = _resolve_dtype(args.dtype, platform, architecture, quantization)
     max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
     _verify_parallel(args, hf_config, platform)
     served_names = _served_model_names(args)
@@ -92,6 +94,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
         revision=args.revision,
         chat_template=args.chat_template,
         tokenizer_mode=args.tokenizer_mode,
+        quantization=quantization,
     )
     return EngineConfig(
         model_config=model_config,
@@ -208,9 +211,65 @@ def _resolve_architecture(hf_config: Any) -> str:
                      f"Supported architectures: {', '.join(get_supported_archs())}.")
 
 
-def _resolve_dtype(requested: str, platform: Platform, architecture: str | None = None) -> torch.dtype:
+def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
+                          platform: Platform) -> QuantizationConfig | None:
+    """The checkpoint's int4/int8 config confirmed (or overridden) by --quantization, checked against the device.
+
+    Returns a `tokenmill.quantization.QuantizationConfig`, or None for 16/32-bit weights.
+
+    Raises:
+        ValueError: --quantization disagrees with the checkpoint or names no
+            method, the checkpoint's config is malformed, or this device cannot
+            run the method (one sentence naming the device, the method and what works there).
+    """
+    if source.gguf_file is not None:
+        if args.quantization is not None:
+            raise ValueError(f"--quantization {args.quantization} does not apply to a GGUF file (its quantized weights "
+                             "are dequantized at load); drop the flag.")
+        return None
+    from tokenmill.quantization import check_supported, find_quantization_config, resolve_quantization
+    from tokenmill.quantization.config import ALIASES
+
+    raw = find_quantization_config(source.weights_path, hf_config)
+    if raw is None and args.quantization is None:
+        return None
+    if raw is None and args.load_format == "dummy":  # speed runs from a bare config.json
+        method = ALIASES.get(args.quantization.lower(), args.quantization.lower())
+        raw = _DUMMY_QUANTIZATION.get(method)
+        if raw is not None:
+            logger.info("--load-format dummy --quantization %s: random weights quantized as a 4-bit, group-128 "
+                        "%s checkpoint (put a quantization_config in config.json for another scheme)",
+                        args.quantization, method)
+    cfg = resolve_quantization(raw, args.quantization)
+    if cfg is not None:
+        capability = platform.get_device_capability() if platform.device_type == "cuda" else None
+        check_supported(cfg, platform.device_type, capability)
+    return cfg
+
+
+# The scheme dummy weights get from `--quantization` alone (the usual published W4A16 g128 checkpoints).
+_DUMMY_QUANTIZATION = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "quantization_status": "compressed", "ignore": ["lm_head"], "config_groups": {
+                               "group_0": {"targets": ["Linear"], "weights": {
+                                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                   "group_size": 128}}}},
+}
+
+# vLLM's AWQ and GPTQ kernels take float16 activations; with --dtype auto a GPU follows them.
+_FP16_METHODS = ("awq", "gptq")
+
+
+def _resolve_dtype(requested: str, platform: Platform, architecture: str | None = None,
+                   quantization: QuantizationConfig | None = None) -> torch.dtype:
     # Model classes with `fp16_unsafe = True` (Gemma 3: activations overflow fp16) never get fp16 from "auto".
     fp16_unsafe = bool(architecture) and getattr(resolve_model_cls([architecture])[0], "fp16_unsafe", False)
+    if requested == "auto" and quantization is not None and quantization.method in _FP16_METHODS \
+            and platform.device_type == "cuda" and not fp16_unsafe:
+        logger.info("dtype auto -> float16: %s checkpoints run in float16 on GPUs (as vLLM)", quantization.method)
+        return torch.float16
     if requested == "auto":
         dtype = platform.default_dtype()
         if dtype == torch.float16 and fp16_unsafe:

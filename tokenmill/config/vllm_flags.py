@@ -57,9 +57,6 @@ def _nb(flag: str, note: str, example: tuple[str, ...], kind: str = "value", ine
     return FlagInfo(flag, "not-built", note, example, kind=kind, inert=inert)
 
 
-_QUANT_SENTENCE = ("quantized checkpoints (AWQ, GPTQ, FP8, bitsandbytes, ...) are not supported yet; serve the "
-                   "unquantized model, or a GGUF file (its quantized weights are dequantized at load).")
-
 FLAGS: tuple[FlagInfo, ...] = (
     # --- model ---
     _i("--model", "The model: a local folder, a .gguf file, a Hugging Face repo id or modelscope:<id> "
@@ -75,7 +72,10 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--download-dir", "Where hub downloads go.", ("--download-dir", "/tmp/tm-downloads")),
     _i("--load-format", "auto, safetensors, gguf, pt or dummy (random weights).", ("--load-format", "dummy")),
     _i("--dtype", "auto, float32, float16/half, bfloat16; auto is float32 on CPU, bfloat16 on cc >= 8.0 GPUs, "
-       "float16 below.", ("--dtype", "half")),
+       "float16 below; AWQ and GPTQ checkpoints get float16 on every GPU (as vLLM).", ("--dtype", "half")),
+    _i("--quantization", "awq, gptq, compressed-tensors (-q; awq_marlin / gptq_marlin are aliases): int4/int8 "
+       "weight-only checkpoints, detected from the checkpoint without the flag; a method that disagrees with the "
+       "checkpoint fails at start-up (docs/quantization.md).", ("--quantization", "awq")),
     _i("--seed", "Seed of the sampler's random generator.", ("--seed", "7")),
     _i("--max-model-len", "Context length (default: the model's).", ("--max-model-len", "512")),
     _i("--served-model-name", "One or more names; requests may use any, the first is reported.",
@@ -210,7 +210,6 @@ FLAGS: tuple[FlagInfo, ...] = (
          kind="switch"),
     _ign("--worker-use-ray", "pass --distributed-executor-backend ray for Ray.", ("--worker-use-ray",), kind="switch"),
     # --- not built yet: start-up fails ---
-    _nb("--quantization", _QUANT_SENTENCE, ("--quantization", "awq"), inert=("none", "None")),
     _nb("--kv-cache-dtype", "an fp8 KV cache is not supported yet; use --kv-cache-dtype auto (the model dtype).",
         ("--kv-cache-dtype", "fp8"), inert=("auto",)),
     _nb("--enable-lora", "LoRA adapters are not supported yet; merge the adapter into the weights, or serve the "
@@ -250,7 +249,7 @@ FLAGS: tuple[FlagInfo, ...] = (
 BY_FLAG: dict[str, FlagInfo] = {f.flag: f for f in FLAGS}
 
 # Aliases vLLM accepts, added with the flag they alias.
-_ALIASES = {"--quantization": ("-q",), "--data-parallel-size": ("-dp",)}
+_ALIASES = {"--data-parallel-size": ("-dp",)}
 
 
 def add_compat_cli_args(parser: argparse.ArgumentParser) -> None:

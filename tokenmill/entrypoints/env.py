@@ -3,7 +3,8 @@
 Prints OS, Python, torch (with the GPU architectures its kernels were built
 for), CUDA runtime and driver, Triton, and per GPU: name, memory, compute
 capability, usable dtypes and attention backends with the reason for each
-unusable one. `--json` prints the same as one JSON object. Works without a
+unusable one, and which int4/int8 quantization methods run through which
+kernel (`quantization.support_table`). `--json` prints the same as one JSON object. Works without a
 GPU (and without triton or nvidia-smi installed).
 """
 
@@ -104,7 +105,26 @@ def describe_gpu(
         "default_dtype": "bfloat16" if cuda.supports_bf16(eff) else "float16",
         "dtypes": dtypes,
         "attention_backends": backends,
+        "quantization": quantization_support("cuda", eff),
     }
+
+
+def _support_device(device_type: str, capability: tuple[int, int] | None) -> str:
+    """The device label of `quantization.support_table`'s rows for this device."""
+    if device_type == "cpu":
+        return "cpu"
+    if capability >= (8, 0):
+        return "cuda cc >= 8.0"
+    return "cuda cc 7.x" if capability >= (7, 0) else "cuda cc < 7.0"
+
+
+def quantization_support(device_type: str, capability: tuple[int, int] | None) -> dict[str, dict[str, Any]]:
+    """method -> {"bits": [4, 8], "kernel": how it runs here, or "refused: why"} for this device."""
+    from tokenmill.quantization import support_table
+
+    label = _support_device(device_type, capability)
+    return {row.method: {"bits": list(row.bits), "kernel": row.kernel} for row in support_table()
+            if row.device == label}
 
 
 def collect_env_info() -> dict[str, Any]:
@@ -145,6 +165,7 @@ def collect_env_info() -> dict[str, Any]:
                 "TORCH_SDPA": None,
                 "TRITON_ATTN": "needs a CUDA GPU (Triton kernels do not run on the CPU)",
             },
+            "quantization": quantization_support("cpu", None),
         },
     }
 
@@ -187,6 +208,11 @@ def _support_lines(device: dict[str, Any]) -> list[str]:
         extra = f" (default {device['default_dtype']})" if key == "dtypes" else ""
         lines.append(f"  {title:<12} usable: {ok}{extra}")
         lines.extend(f"    not {k}: {v}" for k, v in table.items() if v is not None)
+    by_kernel: dict[str, list[str]] = {}  # methods that run the same way share one line
+    for method, row in device.get("quantization", {}).items():
+        by_kernel.setdefault(row["kernel"], []).append(f"{method} {'/'.join(f'int{b}' for b in row['bits'])}")
+    for kernel, methods in by_kernel.items():
+        lines.append(f"  {'quantized':<12} {', '.join(methods)}: {kernel}")
     return lines
 
 

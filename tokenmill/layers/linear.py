@@ -17,6 +17,12 @@ and dtype (the loader builds the model inside `with torch.device(...)`).
 Each parameter also carries `full_shape`, the shape of the unsharded tensor
 its `weight_loader(param, full)` accepts (fused layers: the parts stacked),
 so the dummy loader can draw the same full weights at any tensor-parallel size.
+
+int4/int8 checkpoints: `LinearBase.quantize(scheme)` (called by the loader's
+walk, `model_loader/quantization.py`, before loading) replaces `weight` by
+`qweight`, `scales`, `qzeros`, `g_idx` (`layers/quant_params.py`); the same
+weight loaders shard them. CUDA runs `kernels.quant_linear`; on the CPU the
+loader calls `dequantize()` after loading, and the layer is dense again.
 """
 
 from __future__ import annotations
@@ -31,8 +37,21 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill import kernels
 from tokenmill.distributed.partition import divide_evenly, head_partition
 from tokenmill.layers.gguf_weights import GGUFWeight
+from tokenmill.layers.quant_params import (
+    QUANT_KINDS,
+    InputShard,
+    QuantScheme,
+    load_replicated_g_idx,
+    make_quant_params,
+    narrow_input,
+    needs_synthetic_g_idx,
+    quant_tensors,
+    scale_dtype,
+    synthetic_g_idx,
+)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -45,6 +64,10 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _is_g_idx(param: torch.Tensor) -> bool:
+    return getattr(param, "quant_kind", None) == "g_idx"
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a full (unsharded) tensor into `param`, casting dtype and device.
 
@@ -55,15 +78,20 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 
 class LinearBase(nn.Module):
-    """Holds `weight [output_size_per_partition, input_size_per_partition]` and optional `bias`."""
+    """Holds `weight [output_size_per_partition, input_size_per_partition]` and optional `bias`
+    (or, after `quantize`, the quantized tensors of `layers/quant_params.py` instead of `weight`)."""
 
     def __init__(self, input_size_per_partition: int, output_size_per_partition: int, bias: bool,
                  params_dtype: torch.dtype | None = None, full_input_size: int | None = None,
-                 full_output_size: int | None = None) -> None:
+                 full_output_size: int | None = None, input_start: int = 0) -> None:
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        # This rank's rows of the input dim K (all of them except for row-parallel layers).
+        self.input_shard = InputShard(input_start, input_size_per_partition,
+                                      full_input_size or input_size_per_partition)
+        self.quant: QuantScheme | None = None  # set by `quantize`
         self.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -79,11 +107,55 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         _copy_checked(param, loaded_weight)
 
+    def quantize(self, scheme: QuantScheme) -> None:
+        """Replace `weight` by empty int4/int8 parameters (`qweight`, `scales`, [`qzeros`], [`g_idx`]) to load into.
+
+        Raises:
+            ValueError: this rank's input rows start inside a packed int32 word.
+        """
+        weight = self.weight
+        self.params_dtype = weight.dtype  # what `dequantize` returns
+        params = make_quant_params((), weight.shape[0], weight.full_shape[0], self.input_shard, scheme,
+                                   scale_dtype(weight), weight.device)
+        self.weight = None  # the parameter goes; `weight` stays an attribute (None) for code that checks it
+        for kind, param in params.items():
+            param.weight_loader = self.weight_loader
+            self.register_parameter(kind, param)
+        if needs_synthetic_g_idx(scheme, self.input_shard):
+            self.register_buffer("g_idx", synthetic_g_idx(scheme, self.input_shard).to(weight.device))
+        self.quant = scheme
+
+    def quant_tensors(self):
+        """This rank's quantized weight as `kernels.quant_pack.QuantTensors` (after `quantize`)."""
+        assert self.quant is not None, "not a quantized layer"
+        return quant_tensors(self, "", self.quant, self.input_shard.size)
+
+    def dequantize(self) -> None:
+        """Replace the loaded quantized tensors by the dense `weight` they stand for, in the layer's dtype.
+
+        The CPU path: afterwards the layer is a plain dense layer (oneDNN packing included).
+        """
+        weight = kernels.dequantize_weight(self.quant_tensors(), self.params_dtype)
+        for kind in QUANT_KINDS:
+            if kind in self._parameters:
+                del self._parameters[kind]
+            self._buffers.pop(kind, None)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.quant = None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`) or
-        GGUF blocks (`gguf_weights`)."""
+        """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`),
+        GGUF blocks (`gguf_weights`) or int4/int8 (`kernels.quant_linear` on CUDA)."""
         if isinstance(self.weight, GGUFWeight):
             return self.weight.matmul(x, bias)
+        if self.quant is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            if x.is_cuda:
+                y = kernels.quant_linear(x2, self.quant_tensors(), bias)
+            else:  # the loader dequantizes CPU layers; this serves a layer built by hand
+                y = F.linear(x2, kernels.dequantize_weight(self.quant_tensors(), x.dtype), bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -117,7 +189,11 @@ class ColumnParallelLinear(LinearBase):
                          full_output_size=output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy rows [tp_rank * shard, (tp_rank + 1) * shard) of the full `[out, in]` (or `[out]`) tensor."""
+        """Copy rows [tp_rank * shard, (tp_rank + 1) * shard) of the full `[out, in]` (or `[out]`) tensor
+        (quantized: of qweight, scales and qzeros; g_idx whole)."""
+        if _is_g_idx(param):
+            load_replicated_g_idx(param, param.data, loaded_weight)
+            return
         shard = param.shape[0]
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
@@ -144,6 +220,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
+        if _is_g_idx(param):  # every part reads the whole input: one g_idx
+            load_replicated_g_idx(param, param.data, loaded_weight)
+            return
         if shard_id is None:  # an already-merged checkpoint tensor
             # Reorder [gate; up] (full) into this rank's [gate_r; up_r].
             parts, offset = [], 0
@@ -195,6 +274,9 @@ class QKVParallelLinear(ColumnParallelLinear):
                             full_output_size=self.output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+        if _is_g_idx(param):  # q, k and v read the whole input: one g_idx
+            load_replicated_g_idx(param, param.data, loaded_weight)
+            return
         p, hs = self.partition, self.head_size
         if shard_id is None:  # full fused [q; k; v]
             q_full, kv_full = self.total_num_heads * hs, self.total_num_kv_heads * hs
@@ -237,14 +319,19 @@ class RowParallelLinear(LinearBase):
             shard = _divide(input_size, tp, "input size")
             input_partition = (get_tensor_model_parallel_rank() * shard, shard)
         self.input_start, size = input_partition
-        super().__init__(size, output_size, bias, params_dtype, full_input_size=input_size)
+        super().__init__(size, output_size, bias, params_dtype, full_input_size=input_size,
+                         input_start=self.input_start)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy columns [input_start, input_start + shard) of the full `[out, in]` weight; the bias whole."""
-        if param.dim() == 1:  # bias: not split
+        """Copy columns [input_start, input_start + shard) of the full `[out, in]` weight; the bias whole.
+
+        Quantized: qweight's words of those columns, the groups they use (all
+        groups and the g_idx slice for act-order): `quant_params.narrow_input`.
+        """
+        if param is self.bias:  # not split
             _copy_checked(param, loaded_weight)
             return
-        _copy_checked(param, loaded_weight.narrow(1, self.input_start, param.shape[1]))
+        _copy_checked(param, narrow_input(param, loaded_weight, self.input_shard, self.quant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

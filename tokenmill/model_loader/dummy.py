@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.model_loader.quantized import random_quantized
 
 
 @torch.no_grad()
@@ -24,7 +25,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
     tensor and keeps its slice through its `weight_loader`, and layers on
     other pipeline stages do not shift the draws, so every tp/pp split holds
     the same model. RMSNorm weights are 1 (0 for the Gemma variant, which
-    scales by 1 + w).
+    scales by 1 + w). Quantized layers (`model_loader/quantized.py`) get
+    valid random int4/int8 tensors of the same spread (`random_quantized`).
     """
     norm_weights = {id(m.weight): 0.0 if m.gemma else 1.0 for m in model.modules() if isinstance(m, RMSNorm)}
     for name, param in model.named_parameters():
@@ -34,7 +36,13 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
             param.zero_()
         else:
             full_shape = tuple(getattr(param, "full_shape", param.shape))
-            values = draw_normal(full_shape, param.device, seed * 1_000_003 + zlib.crc32(name.encode()), std)
+            param_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+            if getattr(param, "quant_kind", None) is not None:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed(param_seed)
+                values = random_quantized(param, full_shape, gen, std)
+            else:
+                values = draw_normal(full_shape, param.device, param_seed, std)
             if full_shape != tuple(param.shape):
                 param.weight_loader(param, values)
             else:

@@ -42,6 +42,17 @@ def safetensors_weights_iterator(files: list[str], device: torch.device | str = 
                 yield name, f.get_tensor(name)
 
 
+def safetensors_tensor_names(files: list[str]) -> list[str]:
+    """Every tensor name in the files, read from their headers only (no tensor data)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
 def pt_weights_iterator(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from `pytorch_model*.bin` files (weights_only unpickling).
 

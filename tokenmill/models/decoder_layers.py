@@ -20,7 +20,6 @@ tokens; attention separates requests through the forward context's metadata.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -41,7 +40,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
 )
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
-from tokenmill.models.utils import PPMissingLayer, load_weights_with_mapping, make_layers
+from tokenmill.models.utils import PPMissingLayer, checkpoint_renamer, load_weights_with_mapping, make_layers
 
 
 def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -303,15 +302,14 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     """`load_weights_with_mapping` plus renames, tied-head skipping and MoE expert routing."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
-    rename_re = re.compile("|".join(re.escape(k) for k in renames)) if renames else None
+    rename = checkpoint_renamer(renames)
     loaded: set[str] = set()
 
     def rest() -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.endswith(_ROTARY_BUFFERS) or (tied and name.startswith("lm_head.")):
                 continue
-            if rename_re is not None:
-                name = rename_re.sub(lambda m: renames[m.group(0)], name)
+            name = rename(name)
             target = load_expert_weight(params, name, tensor)  # expert names must not hit ".gate_proj"
             if target is not None:
                 loaded.add(target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,7 +23,8 @@ def load_weights_with_mapping(
     `packed_modules_mapping` maps a checkpoint name fragment to the fused
     parameter's fragment and shard id, e.g. `".q_proj": (".qkv_proj", "q")`:
     `model.layers.0.self_attn.q_proj.weight` is then loaded by
-    `qkv_proj.weight.weight_loader(param, tensor, "q")`. Other names load
+    `qkv_proj.weight.weight_loader(param, tensor, "q")`; a quantized layer's
+    `.qweight` / `.scales` / `.qzeros` / `.g_idx` route the same way. Other names load
     with the parameter's own `weight_loader` (or a plain checked copy).
     Tensors of modules on another pipeline stage (`PPMissingLayer`) are skipped.
 
@@ -30,33 +32,25 @@ def load_weights_with_mapping(
         The names (as in `model.named_parameters()`) of parameters written.
 
     Raises:
-        ValueError: a checkpoint tensor matches no parameter, or its shape is wrong.
+        ValueError: a checkpoint tensor matches no parameter, or its shape is wrong (naming the tensor).
     """
     params = dict(model.named_parameters())
     missing = _missing_prefixes(model)
     loaded: set[str] = set()
     for name, tensor in weights:
-        if missing and _remap(name, packed_modules_mapping).startswith(missing):
+        target, shard_id = route_checkpoint_name(name, packed_modules_mapping)
+        if missing and target.startswith(missing):
             continue
-        for fragment, (fused, shard_id) in packed_modules_mapping.items():
-            if fragment + "." in name:
-                target = name.replace(fragment + ".", fused + ".")
-                param = _lookup(params, target, name)
+        param = _lookup(params, target, name)
+        try:
+            if target != name:  # a part of a fused parameter
                 param.weight_loader(param, tensor, shard_id)
-                break
-        else:
-            target = name
-            param = _lookup(params, target, name)
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        except ValueError as e:
+            raise ValueError(f"Checkpoint tensor {name!r}: {e}") from e
         loaded.add(target)
     return loaded
-
-
-def _remap(name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]) -> str:
-    for fragment, (fused, _) in packed_modules_mapping.items():
-        if fragment + "." in name:
-            return name.replace(fragment + ".", fused + ".")
-    return name
 
 
 def _lookup(params: dict[str, nn.Parameter], target: str, original: str) -> nn.Parameter:
@@ -65,6 +59,27 @@ def _lookup(params: dict[str, nn.Parameter], target: str, original: str) -> nn.P
         raise ValueError(f"Checkpoint tensor {original!r} matches no parameter of the model "
                          f"(is the checkpoint for another architecture?).")
     return param
+
+
+def checkpoint_renamer(renames: dict[str, str] | None) -> Callable[[str], str]:
+    """name -> name with each fragment of `renames` replaced (Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
+    if not renames:
+        return lambda name: name
+    pattern = re.compile("|".join(re.escape(k) for k in renames))
+    return lambda name: pattern.sub(lambda m: renames[m.group(0)], name)
+
+
+def route_checkpoint_name(name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
+                          ) -> tuple[str, str | int | None]:
+    """(model name, shard id) of a checkpoint tensor or module name; (name, None) when it is no fused part.
+
+    `model.layers.0.self_attn.k_proj.qweight` -> (`model.layers.0.self_attn.qkv_proj.qweight`, "k").
+    """
+    dotted = name + "."
+    for fragment, (fused, shard_id) in packed_modules_mapping.items():
+        if fragment + "." in dotted:
+            return dotted.replace(fragment + ".", fused + ".", 1)[:-1], shard_id
+    return name, None
 
 
 # ---- pipeline parallelism ----------------------------------------------------------

@@ -113,6 +113,13 @@ class ModelRunner:
                    workspaces, other processes on the device)
                  - an estimate of the decode CUDA graphs' private pool
                    (the step's activations scaled to the largest captured batch).
+
+        Quantized weights count at their int4/int8 size (they stay packed in
+        GPU memory). The dummy step runs at the largest M the scheduler can
+        send, so it takes the kernels' large-M path, which dequantizes one
+        layer's weight into a temporary dense copy before cuBLAS
+        (`kernels.quant_linear`, `kernels.fused_experts_quant`): that
+        temporary is part of the measured peak, and the KV budget leaves room for it.
         """
         assert self.model is not None, "load_model() first"
         dev = self.device

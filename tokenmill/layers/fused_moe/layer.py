@@ -10,6 +10,12 @@ so the expert outputs of a rank are partial sums and one all-reduce after
 the block completes them. The router (the `gate` linear) is replicated and
 lives in the model. Computation: the Triton grouped GEMM on CUDA, the
 PyTorch reference elsewhere (`fused_experts`).
+
+int4/int8 experts: `quantize(scheme)` replaces the two weights by
+`w13_qweight`, `w13_scales`, ... `w2_g_idx` (`layers/quant_params.py`, a
+leading expert dim); the same loader shards them (w13 rows, w2 input
+columns); CUDA runs `kernels.fused_experts_quant`, the CPU dequantizes
+after loading (`dequantize`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
+from tokenmill.layers.quant_params import (
+    QUANT_KINDS,
+    InputShard,
+    QuantScheme,
+    load_replicated_g_idx,
+    make_quant_params,
+    narrow_input,
+    needs_synthetic_g_idx,
+    quant_tensors,
+    scale_dtype,
+    synthetic_g_idx,
+)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -80,18 +98,65 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_p, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_p, dtype=dtype), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        for part, param in (("w13", self.w13_weight), ("w2", self.w2_weight)):
+            param.weight_loader = self.weight_loader
+            param.moe_part = part
         # Unsharded shapes (stacked experts), for loaders that draw full tensors (dummy weights).
         self.w13_weight.full_shape = (num_experts, 2 * intermediate_size, hidden_size)
         self.w2_weight.full_shape = (num_experts, hidden_size, intermediate_size)
+        # Input rows of each weight this rank holds: w13 all of H, w2 its slice of I.
+        self.hidden_size = hidden_size
+        self.w13_input = InputShard(0, hidden_size, hidden_size)
+        self.w2_input = InputShard(self.tp_rank * i_p, i_p, intermediate_size)
+        self.quant: QuantScheme | None = None  # set by `quantize`
+
+    def quantize(self, scheme: QuantScheme) -> None:
+        """Replace w13_weight / w2_weight by empty int4/int8 parameters (`w13_qweight`, ..., `w2_g_idx`).
+
+        Raises:
+            ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word.
+        """
+        e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
+        self.params_dtype, dtype = self.w13_weight.dtype, scale_dtype(self.w13_weight)
+        parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
+                 ("w2", self.hidden_size, self.hidden_size, self.w2_input))
+        for part, rows, full_rows, shard in parts:
+            setattr(self, f"{part}_weight", None)
+            for kind, param in make_quant_params((e,), rows, full_rows, shard, scheme, dtype, device).items():
+                param.weight_loader = self.weight_loader
+                param.moe_part = part
+                self.register_parameter(f"{part}_{kind}", param)
+            if needs_synthetic_g_idx(scheme, shard):
+                g_idx = synthetic_g_idx(scheme, shard).to(device).expand(e, -1).contiguous()
+                self.register_buffer(f"{part}_g_idx", g_idx)
+        self.quant = scheme
+
+    def quant_tensors(self, part: str):
+        """`QuantTensors` of "w13" or "w2" (after `quantize`), expert dim first."""
+        assert self.quant is not None, "not a quantized layer"
+        shard = self.w13_input if part == "w13" else self.w2_input
+        return quant_tensors(self, f"{part}_", self.quant, shard.size)
+
+    def dequantize(self) -> None:
+        """Replace the loaded quantized experts by dense w13_weight / w2_weight in the layer's dtype (CPU path)."""
+        for part in ("w13", "w2"):
+            dense = kernels.dequantize_weight(self.quant_tensors(part), self.params_dtype)
+            for kind in QUANT_KINDS:
+                self._parameters.pop(f"{part}_{kind}", None)
+                self._buffers.pop(f"{part}_{kind}", None)
+            param = nn.Parameter(dense, requires_grad=False)
+            param.weight_loader, param.moe_part = self.weight_loader, part
+            setattr(self, f"{part}_weight", param)
+        self.quant = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
         """Copy this rank's slice of a full checkpoint tensor into `param`.
 
         Args:
-            param: `w13_weight` or `w2_weight`.
+            param: `w13_weight` or `w2_weight`, or a quantized `w13_*` / `w2_*`
+                (rows split as the weight's; `w2_*` input columns as
+                `quant_params.narrow_input`; w13's g_idx whole).
             loaded_weight: one expert's `[I, H]` (w1 gate / w3 up) or `[H, I]`
                 (w2 down) with `expert_id`; or all experts stacked (`[E, I, H]`,
                 `[E, H, I]`, or HF 5's `gate_up_proj [E, 2I, H]` with shard_id
@@ -100,11 +165,11 @@ class FusedMoE(nn.Module):
                 parameter ("w13" for w13_weight, "w2" for w2_weight).
 
         Raises:
-            ValueError: an unknown shard_id or a shape that does not fit.
+            ValueError: an unknown shard_id or a shape that does not fit (the caller names the tensor).
         """
         i_p, rank = self.intermediate_size_per_partition, self.tp_rank
         if shard_id is None:
-            shard_id = "w13" if param is self.w13_weight else "w2"
+            shard_id = param.moe_part
         if expert_id is None:
             experts = range(self.num_experts)
             if loaded_weight.shape[0] != self.num_experts:
@@ -112,6 +177,10 @@ class FusedMoE(nn.Module):
                                  f"{self.num_experts}.")
         else:
             experts, loaded_weight = [expert_id], loaded_weight.unsqueeze(0)
+        if getattr(param, "quant_kind", None) == "g_idx" and shard_id != "w2":  # gate and up read all of H
+            for i, e in enumerate(experts):
+                load_replicated_g_idx(param, param.data[e], loaded_weight[i], key=e)
+            return
         if shard_id == "w13":
             full_i = loaded_weight.shape[1] // 2
             gate = loaded_weight[:, rank * i_p:(rank + 1) * i_p]
@@ -122,7 +191,7 @@ class FusedMoE(nn.Module):
             src = loaded_weight[:, rank * i_p:(rank + 1) * i_p]
             dst = param.data[experts[0]:experts[-1] + 1, offset:offset + i_p]
         elif shard_id == "w2":
-            src = loaded_weight[:, :, rank * i_p:(rank + 1) * i_p]
+            src = narrow_input(param, loaded_weight, self.w2_input, self.quant)
             dst = param.data[experts[0]:experts[-1] + 1]
         else:
             raise ValueError(f"Unknown expert shard_id {shard_id!r}; expected 'w1', 'w2', 'w3' or 'w13'.")
@@ -133,7 +202,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        if self.quant is None:
+            out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                self.activation)
+        elif hidden_states.is_cuda:
+            out = kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
+                                              topk_weights, topk_ids, self.activation)
+        else:  # the loader dequantizes CPU layers; this serves a layer built by hand
+            w13, w2 = (kernels.dequantize_weight(self.quant_tensors(p), hidden_states.dtype) for p in ("w13", "w2"))
+            out = fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
@@ -145,8 +222,21 @@ class FusedMoE(nn.Module):
 
 # Checkpoint projection name -> FusedMoE shard id: Mixtral's w1/w2/w3 and Qwen-MoE's gate/up/down.
 _EXPERT_SHARDS = {"w1": "w1", "w3": "w3", "w2": "w2", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_PER_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_STACKED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+_SUFFIXES = "weight|qweight|scales|qzeros|g_idx"  # dense, or the quantized tensors (quant_params)
+_PER_EXPERT_RE = re.compile(rf"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.({_SUFFIXES})$")
+_STACKED_RE = re.compile(rf"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.({_SUFFIXES}))?$")
+
+
+_EXPERT_MODULE_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+
+
+def expert_module(module_name: str) -> tuple[str, int, str] | None:
+    """(FusedMoE path, expert id, shard id) of a per-expert checkpoint module name, else None.
+
+    `model.layers.0.mlp.experts.3.up_proj` -> ("model.layers.0.mlp.experts", 3, "w3").
+    """
+    m = _EXPERT_MODULE_RE.match(module_name)
+    return None if m is None else (m.group(1), int(m.group(2)), _EXPERT_SHARDS[m.group(3)])
 
 
 def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
@@ -155,8 +245,9 @@ def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch
     Accepts per-expert names (`...experts.3.gate_proj.weight`,
     `...experts.3.w1.weight`), transformers 5's stacked ones
     (`...experts.gate_up_proj [E, 2I, H]`, `...experts.down_proj [E, H, I]`)
-    and GGUF's stacked ones (`...experts.gate_proj.weight [E, I, H]`, ...). The FusedMoE module
-    must sit at the checkpoint's `...experts` path.
+    and GGUF's stacked ones (`...experts.gate_proj.weight [E, I, H]`, ...); with a quantized
+    FusedMoE also `.qweight`, `.scales`, `.qzeros`, `.g_idx` in place of `.weight`
+    (-> `w13_qweight`, ...). The FusedMoE module must sit at the checkpoint's `...experts` path.
 
     Returns:
         The parameter name written, or None when `name` is not an expert
@@ -165,17 +256,20 @@ def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch
     """
     m = _PER_EXPERT_RE.match(name)
     if m:
-        prefix, expert, proj = m.groups()
+        prefix, expert, proj, suffix = m.groups()
         shard_id, expert_id = _EXPERT_SHARDS[proj], int(expert)
     else:
         m = _STACKED_RE.match(name)
         if not m:
             return None
-        prefix, proj = m.groups()
+        prefix, proj, suffix = m.groups()
         shard_id, expert_id = ("w13" if proj == "gate_up_proj" else _EXPERT_SHARDS[proj]), None
-    target = f"{prefix}.{'w2' if shard_id == 'w2' else 'w13'}_weight"
+    target = f"{prefix}.{'w2' if shard_id == 'w2' else 'w13'}_{suffix or 'weight'}"
     param = params.get(target)
     if param is None:
         return None  # not on this pipeline stage, or no such module: the caller's generic path decides
-    param.weight_loader(param, tensor, shard_id, expert_id)
+    try:
+        param.weight_loader(param, tensor, shard_id, expert_id)
+    except ValueError as e:
+        raise ValueError(f"Checkpoint tensor {name!r}: {e}") from e
     return target
