@@ -170,12 +170,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k routed gated-MLP experts with Triton grouped GEMMs (CUDA): hidden [T, H], w13 [E, 2I, H],
-    w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] (`kernels.triton.fused_moe.fused_experts_triton`)."""
+    w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I] / w2_bias [E, H]
+    -> [T, H] (`kernels.triton.fused_moe.fused_experts_triton`)."""
     from tokenmill.kernels.triton.fused_moe import fused_experts_triton
 
-    return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+    return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                                w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None) -> torch.Tensor:
