@@ -32,6 +32,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tokenmill.layers.rotary import compute_inv_freq, rope_attention_factor
 from tokenmill.model_loader import get_model
+from tokenmill.models.gpt_oss import GptOssForCausalLM
 
 VOCAB = 160
 YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -163,3 +164,128 @@ def test_engine_greedy_matches_transformers(checkpoints, ckpt, dtype):
         assert ok, f"{ckpt} {dtype}, prompt of {len(prompt)} tokens: {msg}"
         compared += n
     assert compared >= 0.75 * MAX_TOKENS * len(prompts), f"only {compared} tokens compared"
+
+
+# ---- the pieces -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_matches_transformers(truncate):
+    """gpt-oss-20b's published rope parameters (truncate false), and the default truncation."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+              "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+    config = transformers.GptOssConfig(head_dim=64, hidden_size=2880, num_attention_heads=64,
+                                       max_position_embeddings=131072, rope_parameters=params)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    torch.testing.assert_close(compute_inv_freq(64, params), inv_freq, rtol=0, atol=0)
+    assert rope_attention_factor(params) == pytest.approx(factor, rel=1e-12)
+    assert factor == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1, rel=1e-6)
+
+
+def test_mxfp4_decode_known_values_and_transformers_layout():
+    # byte 0x21: low nibble 1 (0.5) first, high nibble 2 (1.0) second; 0xF7: 6.0 then -6.0
+    blocks = torch.zeros(1, 16, dtype=torch.uint8)
+    blocks[0, 0], blocks[0, 1] = 0x21, 0xF7
+    out = dequantize_mxfp4(blocks, torch.tensor([128], dtype=torch.uint8), torch.float32)  # scale 2^1
+    assert out.shape == (32,)
+    assert out[:4].tolist() == [1.0, 2.0, 12.0, -12.0] and torch.all(out[4:] == 0)
+    # transformers' own decoder (integrations/mxfp4.py) on random bytes: same values, HF's transposed layout
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (2, 6, 3), generator=g, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, torch.bfloat16)  # [E, out, in]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, in, out]
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_mxfp4_quantize_round_trip():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4, 64, generator=g)
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (4, 2, 16) and scales.shape == (4, 2) and blocks.dtype == scales.dtype == torch.uint8
+    deq = dequantize_mxfp4(blocks, scales, torch.float32)
+    # Scale s = 2^(floor(log2 amax) - 2): |w| / s < 8, rounded (steps of 2 above 4) or clipped to 6, so the
+    # error is below 2 s; the block's largest value is off by less than 1/3 of itself.
+    amax = w.view(4, 2, 32).abs().amax(-1, keepdim=True)
+    s = 2 ** (torch.floor(torch.log2(amax)) - 2)
+    assert torch.all((deq - w).view(4, 2, 32).abs() < 2 * s)
+    torch.testing.assert_close(dequantize_mxfp4(*quantize_mxfp4(deq), torch.float32), deq, rtol=0, atol=0)
+
+
+# ---- bad input: one sentence at load ------------------------------------------------------------------------------
+
+
+def _tiny_model(**overrides):
+    config = transformers.GptOssConfig(**{**CONFIG, **overrides})
+    with torch.device("cpu"):
+        return GptOssForCausalLM(config)
+
+
+def test_unknown_layer_type_is_refused():
+    config = transformers.GptOssConfig(**CONFIG)
+    config.layer_types = ["sliding_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"unknown layer_types \['chunked_attention'\]"):
+        GptOssForCausalLM(config)
+    config.layer_types = ["full_attention"]
+    with pytest.raises(ValueError, match="1 layer_types entries for 3 layers"):
+        GptOssForCausalLM(config)
+
+
+def test_mxfp4_shapes_that_disagree_with_the_config_are_refused():
+    model = _tiny_model()
+    blocks, scales = quantize_mxfp4(torch.randn(8, 128, 64))  # gate_up [E, 2I, H]
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    model.load_weights([(name + "_blocks", blocks), (name + "_scales", scales)])  # the right shapes load
+    with pytest.raises(ValueError, match="MXFP4 tensors of model.layers.0.mlp.experts.gate_up_proj"):
+        model.load_weights([(name + "_blocks", blocks[:, :64]), (name + "_scales", scales[:, :64])])
+    with pytest.raises(ValueError, match="but the config implies blocks"):
+        model.load_weights([(name + "_blocks", blocks), (name + "_scales", scales[..., :1])])
+    with pytest.raises(ValueError, match="has no matching _scales tensor"):
+        model.load_weights([(name + "_blocks", blocks)])
+
+
+def test_sinks_of_the_wrong_size_are_refused():
+    model = _tiny_model()
+    with pytest.raises(ValueError, match="config has 4 attention heads"):
+        model.load_weights([("model.layers.0.self_attn.sinks", torch.zeros(8))])
+
+
+def test_other_quantization_methods_are_refused():
+    with pytest.raises(ValueError, match="quantized with 'awq' are not supported"):
+        _tiny_model(quantization_config={"quant_method": "awq"})
+
+
+# ---- float16: the residual stream in float32 ---------------------------------------------------------------------
+
+
+def test_float16_residual_overflow_stays_finite(checkpoints):
+    """Late layers' expert down biases scaled so the residual stream passes 1e5 (float16 max: 65504): with
+    the float32 residual, float16 logits stay finite and close to float32's; carried in float16 they would
+    turn inf/NaN (checked by switching the float32 residual off)."""
+    _, folders = checkpoints
+    models = {}
+    for dtype in ("float32", "float16"):
+        cfg = EngineArgs(model=folders["bf16"], device="cpu", dtype=dtype).create_engine_config()
+        models[dtype] = model = get_model(cfg.model_config, "cpu", dtype)
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.experts.w2_bias[:, :8] = 6.0e4  # each layer's output still fits float16
+    assert all(layer.fp32_residual for layer in models["float16"].model.layers)
+    assert not any(layer.fp32_residual for layer in models["float32"].model.layers)
+    seen = []  # the final norm's (normed, residual + last output): the whole residual stream
+    hook = models["float16"].model.norm.register_forward_hook(lambda m, a, out: seen.append(out[1]))
+    prompts = _prompts(3)[:2]
+    ref = batch_prefill_logits(models["float32"], prompts)
+    got = batch_prefill_logits(models["float16"], prompts)
+    hook.remove()
+    assert seen[0].dtype == torch.float32 and seen[0].abs().max() > 1e5
+    for r, o in zip(ref, got):
+        assert torch.isfinite(o).all()
+        assert ((o - r).abs().max() / r.abs().max()).item() <= 2e-2
+    for layer in models["float16"].model.layers:
+        layer.fp32_residual = False
+    assert not all(torch.isfinite(o).all() for o in batch_prefill_logits(models["float16"], prompts))
