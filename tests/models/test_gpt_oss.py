@@ -289,3 +289,38 @@ def test_float16_residual_overflow_stays_finite(checkpoints):
     for layer in models["float16"].model.layers:
         layer.fp32_residual = False
     assert not all(torch.isfinite(o).all() for o in batch_prefill_logits(models["float16"], prompts))
+
+
+# ---- the published configs (benchmarks/configs) and dummy weights ----------------------------------------------
+
+CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
+
+
+@pytest.mark.parametrize("name,billions", [("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)])
+def test_published_configs_build_with_the_published_sizes(name, billions):
+    with open(os.path.join(CONFIGS_DIR, f"{name}.json")) as f:
+        config = transformers.AutoConfig.for_model(**json.load(f))
+    with torch.device("meta"):
+        model = GptOssForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows[0::2] == [128] * (len(windows) // 2) and windows[1::2] == [None] * (len(windows) // 2)
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert rope.cos_cache.shape == (131072, 32)
+
+
+def test_dummy_weights_load_with_the_mxfp4_config(tmp_path):
+    """`--load-format dummy` on a shrunken copy of gpt-oss-20b's config.json (quantization_config kept)."""
+    with open(os.path.join(CONFIGS_DIR, "gpt-oss-20b.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=64, num_hidden_layers=2, layer_types=config["layer_types"][:2],
+                  num_local_experts=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                  max_position_embeddings=512, eos_token_id=None, pad_token_id=None)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
+              max_model_len=128, block_size=4, num_gpu_blocks_override=64, seed=0)
+    out = llm.generate([{"prompt_token_ids": list(range(20))}],
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
