@@ -16,6 +16,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     quant_linear         triton/quant_linear.py             - (weights dequantized at load)
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
     fused_experts_quant  triton/fused_moe_quant.py          -
+    dequantize_mxfp4     triton/mxfp4_dequant.py            mxfp4.py (PyTorch)
 
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
     CPU decode attention -                                  cpu/decode.py (`kernels.cpu.decode`)
@@ -209,3 +210,15 @@ def fused_experts_quant(hidden_states: torch.Tensor, w13: QuantTensors, w2: Quan
     from tokenmill.kernels.triton.fused_moe_quant import fused_experts_quant_triton
 
     return fused_experts_quant_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G * 32] `dtype` (`kernels/mxfp4.py`
+    layout): one Triton launch on CUDA (`triton/mxfp4_dequant.py`), PyTorch elsewhere; same values."""
+    if blocks.is_cuda:
+        from tokenmill.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+        return dequantize_mxfp4_triton(blocks, scales, dtype)
+    from tokenmill.kernels.mxfp4 import dequantize_mxfp4 as torch_dequantize_mxfp4
+
+    return torch_dequantize_mxfp4(blocks, scales, dtype)
