@@ -310,8 +310,13 @@ def test_published_configs_build_with_the_published_sizes(name, billions):
     assert rope.cos_cache.shape == (131072, 32)
 
 
-def test_dummy_weights_load_with_the_mxfp4_config(tmp_path):
-    """`--load-format dummy` on a shrunken copy of gpt-oss-20b's config.json (quantization_config kept)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_dummy_weights_load_with_the_mxfp4_config(tmp_path, monkeypatch, packed):
+    """`--load-format dummy` on a shrunken copy of gpt-oss-20b's config.json (quantization_config kept), with
+    the experts dequantized (CPU) or packed (the GPU layout, forced here): dummy MXFP4 bytes and scales."""
+    from tokenmill.models import gpt_oss
+
+    monkeypatch.setattr(gpt_oss, "keep_mxfp4_packed", lambda config: packed)
     with open(os.path.join(CONFIGS_DIR, "gpt-oss-20b.json")) as f:
         config = json.load(f)
     config.update(hidden_size=64, intermediate_size=64, num_hidden_layers=2, layer_types=config["layer_types"][:2],
@@ -324,3 +329,27 @@ def test_dummy_weights_load_with_the_mxfp4_config(tmp_path):
     out = llm.generate([{"prompt_token_ids": list(range(20))}],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
+    if packed:
+        experts = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].mlp.experts
+        assert experts.w13_scales.eq(119).all() and experts.w13_blocks.float().std() > 50  # random bytes
+
+
+def test_packed_mxfp4_experts_match_dequantized_at_load(checkpoints, monkeypatch):
+    """The GPU layout (experts kept packed, decoded per layer) forced on the CPU: same logits as the experts
+    dequantized at load, with a quarter of the bytes held (plus a scale byte per 32 values)."""
+    from tokenmill.layers.fused_moe.mxfp4 import Mxfp4FusedMoE
+    from tokenmill.models import gpt_oss
+
+    _, folders = checkpoints
+    cfg = EngineArgs(model=folders["mxfp4"], device="cpu", dtype="float32").create_engine_config()
+    dense = get_model(cfg.model_config, "cpu", "float32")
+    monkeypatch.setattr(gpt_oss, "keep_mxfp4_packed", lambda config: True)
+    packed = get_model(cfg.model_config, "cpu", "float32")
+    experts = packed.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4FusedMoE) and experts.w13_blocks.dtype == torch.uint8
+    w13, w2 = experts.expert_weights()
+    torch.testing.assert_close(w13, dense.model.layers[0].mlp.experts.w13_weight, rtol=0, atol=0)
+    torch.testing.assert_close(w2, dense.model.layers[0].mlp.experts.w2_weight, rtol=0, atol=0)
+    prompts = _prompts(4)[:2]
+    for a, b in zip(batch_prefill_logits(packed, prompts), batch_prefill_logits(dense, prompts)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -16,9 +16,9 @@ What differs from the shared decoder shell, as transformers' `modeling_gpt_oss.p
 - checkpoint experts are stacked and transposed: `experts.gate_up_proj`
   [E, H, 2I], `experts.down_proj` [E, I, H] (bf16 copies), or MXFP4
   (`quantization_config.quant_method == "mxfp4"`) `*_blocks` / `*_scales`
-  in nn.Linear's [out, in] layout (`kernels/mxfp4.py`), dequantized at load
-  into the model dtype (all devices for now: the packed in-kernel path is
-  not written yet).
+  in nn.Linear's [out, in] layout (`kernels/mxfp4.py`): on a GPU kept
+  packed (`layers/fused_moe/mxfp4.py`, decoded per layer before the 16-bit
+  grouped GEMM), elsewhere dequantized at load into the model dtype.
 
 float16 (the cc-7.0 path): the residual stream is kept in float32
 (`decoder_layers.add_norm` says why); bfloat16 and float32 keep it in the
@@ -38,6 +38,7 @@ from torch import nn
 from tokenmill.kernels.moe_activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from tokenmill.kernels.mxfp4 import check_mxfp4_shapes, dequantize_mxfp4
 from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.fused_moe.mxfp4 import Mxfp4FusedMoE
 from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.models.decoder_layers import (
     DecoderAttention,
@@ -88,14 +89,26 @@ def quant_method(config: Any) -> str | None:
     return qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
 
 
-class GptOssMoE(nn.Module):
-    """`router` (replicated linear with bias) + `experts` (FusedMoE, biased, swigluoai). [T, H] -> [T, H]."""
+def keep_mxfp4_packed(config: Any) -> bool:
+    """Whether the MXFP4 experts stay packed in memory: an MXFP4 checkpoint built on a CUDA device.
 
-    def __init__(self, config: Any) -> None:
+    On the CPU they are dequantized at load (the dense GEMMs there are the fast path).
+    """
+    return quant_method(config) == "mxfp4" and torch.empty(0).device.type == "cuda"
+
+
+class GptOssMoE(nn.Module):
+    """`router` (replicated linear with bias) + `experts` (FusedMoE, biased, swigluoai). [T, H] -> [T, H].
+
+    `packed`: MXFP4 experts kept packed (`Mxfp4FusedMoE`).
+    """
+
+    def __init__(self, config: Any, packed: bool = False) -> None:
         super().__init__()
         self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True)
-        self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.intermediate_size, renormalize=True, activation="swigluoai", has_bias=True)
+        moe_cls = Mxfp4FusedMoE if packed else FusedMoE
+        self.experts = moe_cls(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+                               config.intermediate_size, renormalize=True, activation="swigluoai", has_bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.router(hidden_states))
@@ -112,17 +125,21 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     def __init__(self, config: Any) -> None:
         validate_gpt_oss_config(config)
+        packed = keep_mxfp4_packed(config)
         super().__init__(config)
-        if quant_method(config) == "mxfp4":
-            logger.info("gpt-oss MXFP4 experts are dequantized at load to %s (the packed in-kernel path is not "
-                        "implemented yet)", torch.get_default_dtype())
+        if packed:
+            logger.info("gpt-oss MXFP4 experts stay packed in device memory and are decoded per layer before the "
+                        "%s expert GEMMs", torch.get_default_dtype())
+        elif quant_method(config) == "mxfp4":
+            logger.info("gpt-oss MXFP4 experts are dequantized at load to %s", torch.get_default_dtype())
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         attn = DecoderAttention(config, layer_idx, qkv_bias=True, o_bias=True,
                                 sliding_window=layer_sliding_window(config, layer_idx), sinks=True)
         # float16 only (the model is built under its dtype as default): the residual stream in float32.
         fp32_residual = torch.get_default_dtype() == torch.float16
-        return DecoderLayer(config, attn, GptOssMoE(config), fp32_residual=fp32_residual)
+        return DecoderLayer(config, attn, GptOssMoE(config, packed=keep_mxfp4_packed(config)),
+                            fp32_residual=fp32_residual)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors: experts (bf16 or MXFP4 blocks/scales) here, the rest by the shell.
@@ -147,11 +164,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
                         pending[name] = tensor
                         continue
                     blocks, scales = (tensor, pending.pop(other)) if suffix == "_blocks" else (pending.pop(other), tensor)
-                    target = self._load_expert_mxfp4(params, prefix, proj, blocks, scales)
+                    loaded.update(self._load_expert_mxfp4(params, prefix, proj, blocks, scales))
                 else:
-                    target = self._load_expert_dense(params, prefix, proj, suffix == "_bias", tensor)
-                if target is not None:
-                    loaded.add(target)
+                    loaded.update(self._load_expert_dense(params, prefix, proj, suffix == "_bias", tensor))
 
         loaded |= load_decoder_weights(self, rest(), self.packed_modules_mapping, self.checkpoint_renames)
         if pending:
@@ -160,36 +175,45 @@ class GptOssForCausalLM(DecoderForCausalLM):
         return loaded
 
     def _load_expert_dense(self, params: dict[str, nn.Parameter], prefix: str, proj: str, is_bias: bool,
-                           tensor: torch.Tensor) -> str | None:
+                           tensor: torch.Tensor) -> list[str]:
         e, h, i = self.config.num_local_experts, self.config.hidden_size, self.config.intermediate_size
         target = f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}_{'bias' if is_bias else 'weight'}"
         param = params.get(target)
         if param is None:
-            return None  # a layer on another pipeline stage
+            if f"{prefix}.w13_blocks" in params:
+                raise ValueError(f"{prefix}.{proj} is a dense tensor, but quantization_config says the experts are "
+                                 "MXFP4 (*_blocks / *_scales).")
+            return []  # a layer on another pipeline stage
         if is_bias:
             want = (e, 2 * i) if proj == "gate_up_proj" else (e, h)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{prefix}.{proj}_bias has shape {tuple(tensor.shape)}, but the config implies "
                                  f"{want}.")
             param.weight_loader(param, _deinterleave(tensor, -1) if proj == "gate_up_proj" else tensor)
-            return target
+            return [target]
         want = (e, h, 2 * i) if proj == "gate_up_proj" else (e, i, h)
         if tuple(tensor.shape) != want:
             raise ValueError(f"{prefix}.{proj} has shape {tuple(tensor.shape)}, but the config implies {want}.")
         # HF keeps x @ W ([E, in, out]); FusedMoE keeps nn.Linear's [E, out, in].
-        return self._load_expert_linear(param, proj, tensor.transpose(1, 2), target)
+        return [self._load_expert_linear(param, proj, tensor.transpose(1, 2), target)]
 
     def _load_expert_mxfp4(self, params: dict[str, nn.Parameter], prefix: str, proj: str, blocks: torch.Tensor,
-                           scales: torch.Tensor) -> str | None:
+                           scales: torch.Tensor) -> list[str]:
         e, h, i = self.config.num_local_experts, self.config.hidden_size, self.config.intermediate_size
         shape = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)  # [E, out, in]
         check_mxfp4_shapes(blocks, scales, shape, f"{prefix}.{proj}")
-        target = f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}_weight"
+        w = "w13" if proj == "gate_up_proj" else "w2"
+        if f"{prefix}.{w}_blocks" in params:  # kept packed: gate/up rows de-interleaved, bytes untouched
+            names = [f"{prefix}.{w}_blocks", f"{prefix}.{w}_scales"]
+            for name, t in zip(names, (blocks, scales)):
+                params[name].weight_loader(params[name], _deinterleave(t, 1) if w == "w13" else t)
+            return names
+        target = f"{prefix}.{w}_weight"
         param = params.get(target)
         if param is None:
-            return None
+            return []
         dense = dequantize_mxfp4(blocks.to(param.device), scales.to(param.device), param.dtype)
-        return self._load_expert_linear(param, proj, dense, target)
+        return [self._load_expert_linear(param, proj, dense, target)]
 
     @staticmethod
     def _load_expert_linear(param: nn.Parameter, proj: str, w: torch.Tensor, target: str) -> str:

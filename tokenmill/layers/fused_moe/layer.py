@@ -86,14 +86,7 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.intermediate_size_per_partition = i_p = intermediate_size // self.tp_size
         dtype = torch.get_default_dtype()
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_p, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_p, dtype=dtype), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
-        # Unsharded shapes (stacked experts), for loaders that draw full tensors (dummy weights).
-        self.w13_weight.full_shape = (num_experts, 2 * intermediate_size, hidden_size)
-        self.w2_weight.full_shape = (num_experts, hidden_size, intermediate_size)
+        self.create_weights(num_experts, hidden_size, intermediate_size, dtype)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if has_bias:
@@ -102,6 +95,22 @@ class FusedMoE(nn.Module):
             self.w13_bias.weight_loader = self.bias_loader
             self.w2_bias.weight_loader = self.bias_loader
             self.w13_bias.full_shape = (num_experts, 2 * intermediate_size)
+
+    def create_weights(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        """The expert weights `w13_weight` / `w2_weight` (a packed-weight subclass makes its own instead)."""
+        i_p = self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_p, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_p, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        # Unsharded shapes (stacked experts), for loaders that draw full tensors (dummy weights).
+        self.w13_weight.full_shape = (num_experts, 2 * intermediate_size, hidden_size)
+        self.w2_weight.full_shape = (num_experts, hidden_size, intermediate_size)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2 I_p, H], w2 [E, H, I_p]) in the model dtype, as the expert GEMMs take them."""
+        return self.w13_weight, self.w2_weight
 
     def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's part of a stacked expert bias: `w13_bias` from `[E, 2I]` (gate then up
@@ -169,8 +178,8 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         # Under TP the down bias joins on rank 0 only: the all-reduce sums the ranks' partial outputs.
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-                            self.w13_bias, w2_bias)
+        w13, w2 = self.expert_weights()
+        out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
