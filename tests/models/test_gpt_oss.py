@@ -1,6 +1,6 @@
 """gpt-oss vs transformers' GptOssForCausalLM on tiny random configs (CPU).
 
-One tiny config (3 layers, sliding / full / sliding, window 6 against
+One tiny config (4 layers, sliding / full alternating, window 6 against
 prompts of 5-50 tokens, 8 experts top-2, YaRN, GQA), its weights rounded so
 that a bf16 checkpoint and an MXFP4 checkpoint (experts as `*_blocks` /
 `*_scales` in the released layout, written by `kernels.mxfp4.quantize_mxfp4`)
@@ -37,10 +37,10 @@ from tokenmill.models.gpt_oss import GptOssForCausalLM
 VOCAB = 160
 YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 32, "rope_theta": 150000.0}
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
               max_position_embeddings=256, initializer_range=0.15, rope_parameters=YARN,
-              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 MXFP4_CONFIG = {"quant_method": "mxfp4",
                 "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
@@ -144,6 +144,7 @@ def test_engine_greedy_matches_transformers(checkpoints, ckpt, dtype):
               num_gpu_blocks_override=32, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=96, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.engine_config.cache_config.sliding_window_group == 6  # two KV groups
     stats = llm.llm_engine.get_stats()
     assert stats.num_chunked_prefill_steps > 0
     assert stats.num_preemptions > 0
@@ -227,11 +228,11 @@ def _tiny_model(**overrides):
 
 def test_unknown_layer_type_is_refused():
     config = transformers.GptOssConfig(**CONFIG)
-    config.layer_types = ["sliding_attention", "chunked_attention", "full_attention"]
+    config.layer_types = ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"unknown layer_types \['chunked_attention'\]"):
         GptOssForCausalLM(config)
     config.layer_types = ["full_attention"]
-    with pytest.raises(ValueError, match="1 layer_types entries for 3 layers"):
+    with pytest.raises(ValueError, match="1 layer_types entries for 4 layers"):
         GptOssForCausalLM(config)
 
 
@@ -353,3 +354,31 @@ def test_packed_mxfp4_experts_match_dequantized_at_load(checkpoints, monkeypatch
     prompts = _prompts(4)[:2]
     for a, b in zip(batch_prefill_logits(packed, prompts), batch_prefill_logits(dense, prompts)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_two_kv_groups_match_one_group(checkpoints, caplog):
+    """The sliding-window KV group (blocks freed as the window moves, layers paired on shared tensors) gives
+    the same greedy tokens as full-length KV on every layer (--disable-hybrid-kv-cache-manager), logs its
+    capacity, and returns every block."""
+    import logging
+
+    _, folders = checkpoints
+    prompts = _prompts(5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for disable in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            llm = LLM(model=folders["bf16"], dtype="float32", skip_tokenizer_init=True, block_size=4,
+                      num_gpu_blocks_override=80, max_num_batched_tokens=16, max_model_len=96, seed=0,
+                      disable_hybrid_kv_cache_manager=disable)
+        cache = llm.llm_engine.engine_config.cache_config
+        assert cache.sliding_window_group == (None if disable else 6)
+        assert cache.enable_prefix_caching == disable
+        if not disable:
+            assert "sliding-window layers (window 6 tokens)" in caplog.text
+        outs[disable] = [list(o.outputs[0].token_ids) for o in
+                         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == 80 and not kv.req_to_blocks and not kv.swa_tables
+    assert outs[False] == outs[True]

@@ -56,12 +56,15 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         if ctx.attn_metadata is None:
             return torch.zeros_like(q)
+        md = ctx.attn_metadata
+        if self.sliding_window is not None and ctx.attn_metadata_swa is not None:
+            md = ctx.attn_metadata_swa  # the sliding-window KV group's block table and slots
         out = ctx.attn_backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
+            md,
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
