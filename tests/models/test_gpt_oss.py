@@ -382,3 +382,22 @@ def test_two_kv_groups_match_one_group(checkpoints, caplog):
         kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
         assert kv.num_free_blocks == 80 and not kv.req_to_blocks and not kv.swa_tables
     assert outs[False] == outs[True]
+
+
+@pytest.mark.slow  # two worker processes on gloo
+def test_tensor_parallel_2_matches_transformers(checkpoints):
+    """tp=2: each rank holds 2 of the 4 heads' sinks, half of every expert, and adds the down bias only on
+    rank 0 (the all-reduce sums the ranks); greedy tokens equal transformers' up to near ties."""
+    hf, folders = checkpoints
+    prompts = _prompts(6)[:2]
+    llm = LLM(model=folders["bf16"], dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2,
+              max_model_len=96, kv_cache_memory_bytes="8M", seed=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for prompt, out in zip(prompts, outs):
+        ref, ref_logits = hf_greedy(hf, prompt, 12)
+        ok, n, msg = compare_greedy(list(out.outputs[0].token_ids), ref, ref_logits)
+        assert ok and n >= 6, f"prompt of {len(prompt)} tokens: {msg}"

@@ -134,7 +134,7 @@ class TorchSDPABackend:
         self.use_sdpa_prefill = use_sdpa_prefill
         self.decode_from_cache = decode_from_cache
         self.use_cpu_kernel = use_cpu_kernel
-        self._plans: list[_Plan] = []  # this step's plans, one per sliding-window value
+        self._plans: list[_Plan] = []  # plans per (metadata, window): this step's, maybe the last step's
 
     def forward(
         self,
@@ -207,10 +207,12 @@ class TorchSDPABackend:
 
     def _get_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device,
                   from_cache: bool, with_kernel: bool) -> _Plan:
-        if self._plans and self._plans[0].md is not md:
-            self._plans = []  # a new step
+        if self._plans and not any(p.md is md for p in self._plans) and len({id(p.md) for p in self._plans}) >= 2:
+            # A new step. Plans of two metadata objects are kept: with two KV groups the sliding-window layers
+            # have their own (attn_metadata_swa), and layers of the two groups alternate.
+            self._plans = []
         for plan in self._plans:
-            if plan.window == window and plan.with_kernel == with_kernel:
+            if plan.md is md and plan.window == window and plan.with_kernel == with_kernel:
                 return plan
         plan = self._make_plan(md, window, block_size, device, from_cache, with_kernel)
         self._plans.append(plan)
