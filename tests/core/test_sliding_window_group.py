@@ -75,3 +75,32 @@ def test_allocation_failure_takes_nothing_and_preempted_requests_start_over(make
     assert m.num_free_blocks == 5
     b2 = make_request("b2", 8, max_tokens=8, start=6000)
     assert step(m, b2, 8) is not None and m.num_free_blocks == 1
+
+
+def test_which_models_get_two_groups():
+    from types import SimpleNamespace
+
+    from tokenmill.worker.kv_cache import blocks_per_sequence, sliding_window_group
+
+    alternating = ["sliding_attention", "full_attention"] * 12
+    assert sliding_window_group(SimpleNamespace(layer_types=alternating, sliding_window=128)) == 128  # gpt-oss
+    assert sliding_window_group(SimpleNamespace(layer_types=alternating, sliding_window=128), 2) is None  # pp
+    gemma = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert sliding_window_group(SimpleNamespace(layer_types=gemma, sliding_window=512)) is None  # 5:1
+    off = SimpleNamespace(layer_types=alternating, sliding_window=128, use_sliding_window=False)
+    assert sliding_window_group(off) is None
+    assert sliding_window_group(SimpleNamespace(layer_types=None, sliding_window=4096)) is None  # Mistral
+    # 4096 tokens, block 16, window 128, chunks of 2048: 256 full + min(256, ceil(2175 / 16) + 1) = 393
+    assert blocks_per_sequence(4096, 16, 128, 2048) == 393
+    assert blocks_per_sequence(4096, 16) == 256 and blocks_per_sequence(100, 16, 128) == 7 + 7
+
+
+def test_fits_check_counts_both_groups():
+    import pytest
+
+    from tokenmill.worker.kv_cache import check_max_model_len_fits
+
+    check_max_model_len_fits(15, BS, 40, window=WINDOW, chunk=8)  # 10 full + min(10, ceil(13 / 4) + 1 = 5)
+    # 10 blocks: a 20-token sequence takes 5 + 5, a 21-token one 6 + 5
+    with pytest.raises(ValueError, match="The largest max_model_len that fits is 20"):
+        check_max_model_len_fits(10, BS, 40, window=WINDOW, chunk=8)

@@ -97,6 +97,8 @@ def sliding_window_group(hf_config: Any, pipeline_parallel_size: int = 1) -> int
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     types = list(getattr(cfg, "layer_types", None) or [])
     window = getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", True):  # Qwen2/3: the window is off whatever layer_types says
+        return None
     if not types or not window or pipeline_parallel_size != 1 or set(types) != {"full_attention", "sliding_attention"}:
         return None
     if types.count("sliding_attention") != types.count("full_attention"):
