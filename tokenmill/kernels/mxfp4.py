@@ -53,8 +53,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
                          f"(expected blocks [..., G, {BLOCK // 2}] and scales [..., G]).")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     out = torch.empty(*blocks.shape[:-1], BLOCK, dtype=dtype, device=blocks.device)
-    flat_b, flat_s, flat_o = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1]), \
-        out.view(-1, *out.shape[-2:])
+    flat_b = blocks.reshape(-1, *blocks.shape[-2:])
+    flat_s = scales.reshape(-1, scales.shape[-1])
+    flat_o = out.view(-1, *out.shape[-2:])
     step = max(1, (1 << 24) // max(1, flat_o[0].numel()))
     for i in range(0, flat_b.shape[0], step):
         b = flat_b[i:i + step].to(torch.int64)

@@ -163,7 +163,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
                     if other not in pending:
                         pending[name] = tensor
                         continue
-                    blocks, scales = (tensor, pending.pop(other)) if suffix == "_blocks" else (pending.pop(other), tensor)
+                    partner = pending.pop(other)
+                    blocks, scales = (tensor, partner) if suffix == "_blocks" else (partner, tensor)
                     loaded.update(self._load_expert_mxfp4(params, prefix, proj, blocks, scales))
                 else:
                     loaded.update(self._load_expert_dense(params, prefix, proj, suffix == "_bias", tensor))
