@@ -82,9 +82,12 @@ def reference_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 causal paged attention, written from the definition (one request
-    at a time, explicit masks). Returns [num_real_tokens, num_heads, head_dim]."""
+    at a time, explicit masks). `sinks` [num_heads]: one extra logit per head
+    in each softmax, whose probability is dropped (gpt-oss). Returns
+    [num_real_tokens, num_heads, head_dim]."""
     q_all = batch.query.double().cpu()
     cache = batch.kv_cache.double().cpu()
     table = batch.block_table.cpu()
@@ -108,6 +111,11 @@ def reference_attention(
         if sliding_window:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
         s = s.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v))
+        if sinks is not None:
+            sink_col = sinks.double().cpu()[:, None, None].expand(-1, qlen, 1)
+            p = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, v))
         start += qlen
     return torch.cat(outs) if outs else q_all[:0]

@@ -52,8 +52,8 @@ SCRIPT = textwrap.dedent(
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
             results.append(dict(kernel="kv_write", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
-            cx = dict(SPLITS_PAD=4, HEAD_DIM_PAD=128)
-            ptrs = {"out_ptr": "*fp16", "partial_ptr": "*fp32", "lse_ptr": "*fp32"}
+            cx = dict(SPLITS_PAD=4, HEAD_DIM_PAD=128, USE_SINKS=True)
+            ptrs = {"out_ptr": "*fp16", "partial_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": "*fp32"}
             src = triton.compiler.ASTSource(fn=merge_splits_kernel, signature=sig_of(merge_splits_kernel, ptrs, (), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
             results.append(dict(kernel="merge_splits", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
@@ -65,10 +65,11 @@ SCRIPT = textwrap.dedent(
         for max_q, head_dim, splits in shapes:
             cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
             cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, DOT_PREC="tf32",
-                      NUM_SPLITS=splits, SPLIT_KV=splits > 1)
+                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
+                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1)
             ptrs = {"out_ptr": "*fp32" if splits > 1 else "*fp16", "lse_ptr": "*fp32", "q_ptr": "*fp16",
-                    "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+                    "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                    "sinks_ptr": "*fp32"}
             src = triton.compiler.ASTSource(fn=paged_attention_kernel,
                                             signature=sig_of(paged_attention_kernel, ptrs, ("scale", "softcap"), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
@@ -100,6 +101,16 @@ SCRIPT = textwrap.dedent(
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False})
             results.append(dict(kernel=name, cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+    # MXFP4 expert decode (gpt-oss): fp16 out on sm_70, bf16 on sm_90.
+    from tokenmill.kernels.triton.mxfp4_dequant import mxfp4_dequant_kernel
+
+    for cc in (70, 90):
+        ptrs = {"blocks_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*fp16" if cc == 70 else "*bf16"}
+        cx = dict(BLOCK_B=1024)
+        src = triton.compiler.ASTSource(fn=mxfp4_dequant_kernel, signature=sig_of(mxfp4_dequant_kernel, ptrs, (), cx), constexprs=cx)
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+        results.append(dict(kernel="mxfp4_dequant", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                            cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
     print(json.dumps(results))
     """
 )
@@ -116,7 +127,7 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
                    "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("kv_write", 70), ("merge_splits", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
-    ] + [(name, cc) for cc in (70, 90) for name in elementwise]
+    ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"
         assert r["ptx_target"] == [want], r

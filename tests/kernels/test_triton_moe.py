@@ -139,3 +139,25 @@ def test_expert_weights_shard_over_tp_and_partial_sums_add_up(monkeypatch):
     # Column/row split of each expert's MLP: the per-rank outputs are partial sums of the full one.
     torch.testing.assert_close(partial, ref, rtol=1e-5, atol=1e-5)
     assert load_expert_weight(params, "mlp.gate.weight", torch.zeros(3, 16)) is None
+
+
+def test_swigluoai_biased_experts_triton_matches_reference_and_hf_formula():
+    """gpt-oss experts: biases on both projections, clamped SwiGLU; Triton (biases around the unchanged
+    grouped GEMM) vs the reference vs a per-token loop of transformers' formula."""
+    x, w13, w2, logits = _problem(9, 32, 16, 4, 2, seed=3)
+    x = x * 4  # push gate/up past the +-7 clamp for some rows
+    g = torch.Generator().manual_seed(4)
+    b13, b2 = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    w, ids = select_experts(logits, 2, True)
+    ref = fused_experts_reference(x, w13, w2, w, ids, "swigluoai", b13, b2)
+    expected = torch.zeros_like(x)
+    for t in range(9):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t] + b13[e]).chunk(2)
+            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            expected[t] += w[t, j] * (w2[e] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + b2[e])
+    torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
+    assert (x @ w13[0, :16].T + b13[0, :16]).abs().max() > 7, "the clamp must be exercised"
+    out = fused_experts_triton(x, w13, w2, w, ids, "swigluoai", w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ class DenseCausalBackend:
     name = "TEST_DENSE"
 
     def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None,
-                logits_soft_cap=None):
+                logits_soft_cap=None, sinks=None):
         out = torch.empty_like(query)
         starts = attn_metadata.query_start_loc_cpu
         group = query.shape[1] // key.shape[1]
@@ -38,7 +38,12 @@ class DenseCausalBackend:
             if sliding_window is not None:
                 mask &= pos[:, None] - pos[None, :] < sliding_window
             scores = scores.masked_fill(~mask, float("-inf"))
-            out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)
+            if sinks is not None:  # one extra logit per head in the denominator, no value
+                sink_col = sinks.float()[:, None, None].expand(-1, n, 1)
+                probs = torch.cat([scores, sink_col], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out[s:e] = (probs @ v).transpose(0, 1).to(query.dtype)
         return out
 
 

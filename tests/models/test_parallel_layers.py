@@ -141,8 +141,8 @@ def test_rope_parameters_old_and_new_config_styles():
     assert rope_parameters_from_config(plain) == {"rope_theta": 1e4, "rope_type": "default"}
     assert rope_parameters_from_config(per_layer)["rope_theta"] == 1e6
     assert rope_parameters_from_config(per_layer, "sliding_attention")["rope_theta"] == 1e4
-    with pytest.raises(ValueError, match="yarn"):
-        compute_inv_freq(8, {"rope_type": "yarn", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="longrope"):
+        compute_inv_freq(8, {"rope_type": "longrope", "rope_theta": 1e4})
 
 
 def test_rope_neox_rotation_preserves_norm_and_is_relative():

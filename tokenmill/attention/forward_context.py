@@ -24,6 +24,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # The backend implementation (see tokenmill/attention/backends/base.py).
     attn_backend: Any
+    # With a sliding-window KV group (worker/kv_cache.py): the metadata of the sliding-window layers (their
+    # block table and slot mapping; the rest as `attn_metadata`); None with one group.
+    attn_metadata_swa: AttentionMetadata | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -38,12 +41,13 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor], attn_backend: Any
+    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor], attn_backend: Any,
+    attn_metadata_swa: AttentionMetadata | None = None,
 ) -> Iterator[None]:
     """Make the step's metadata, KV caches and backend visible to attention layers."""
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches, attn_backend)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, attn_backend, attn_metadata_swa)
     try:
         yield
     finally:

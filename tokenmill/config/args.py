@@ -46,6 +46,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False  # one KV group even for half-sliding-window models
     # scheduler
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -111,6 +112,10 @@ class EngineArgs:
                        help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache).")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="Reuse KV blocks of repeated prompt prefixes (default on).")
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="Keep full-length KV on sliding-window layers too (models with half full, half "
+                            "sliding-window layers, e.g. gpt-oss, otherwise free blocks that slid out of the window "
+                            "and turn prefix caching off).")
         g = parser.add_argument_group("scheduler")
         g.add_argument("--max-num-seqs", type=int, default=None,
                        help="Max requests in one step. Default as vLLM: CPU 256 offline / 128 server; GPU 1024 on >= 70 GiB cards, else 256.")

@@ -81,6 +81,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks: int = 0  # filled after memory profiling
+    # Window of the sliding-window KV group (half the layers full attention, half sliding; gpt-oss), whose
+    # blocks are freed as the window moves; None = one group (worker/kv_cache.py `sliding_window_group`).
+    sliding_window_group: int | None = None
 
 
 def kv_memory_hint(cache_config: CacheConfig, device: str) -> str:

@@ -98,7 +98,7 @@ def resolve_engine_config(args: EngineArgs, usage: str = "llm") -> EngineConfig:
     )
     return EngineConfig(
         model_config=model_config,
-        cache_config=_resolve_cache_config(args, platform),
+        cache_config=_resolve_cache_config(args, platform, hf_config),
         scheduler_config=_resolve_scheduler_config(args, platform, usage, max_model_len),
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
@@ -319,17 +319,29 @@ def _resolve_generation_config(setting: str, source: ModelSource) -> dict[str, A
     return load_generation_config(ModelSource(path=setting))
 
 
-def _resolve_cache_config(args: EngineArgs, platform: Platform) -> CacheConfig:
+def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any = None) -> CacheConfig:
+    from tokenmill.worker.kv_cache import sliding_window_group
+
     # None on CPU: the worker sizes it from the memory left after the weights (platforms/memory.py).
     kv_bytes = parse_size(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes is not None else None
     if kv_bytes is not None and kv_bytes <= 0:
         raise ValueError(f"--kv-cache-memory-bytes must be positive, got {args.kv_cache_memory_bytes}.")
+    window = None
+    if hf_config is not None and not args.disable_hybrid_kv_cache_manager:
+        window = sliding_window_group(hf_config, args.pipeline_parallel_size)
+    prefix_caching = args.enable_prefix_caching
+    if window is not None:
+        logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups); prefix "
+                    "caching is off with two groups (--disable-hybrid-kv-cache-manager keeps one group, full-length "
+                    "KV on every layer, and prefix caching)", window)
+        prefix_caching = False
     return CacheConfig(
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=prefix_caching,
+        sliding_window_group=window,
     )
 
 

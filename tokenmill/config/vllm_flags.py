@@ -93,6 +93,8 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--gpu-memory-utilization", "Fraction of GPU memory tokenmill may use.", ("--gpu-memory-utilization", "0.5")),
     _i("--enable-prefix-caching", "Reuse KV blocks of repeated prefixes (default on; --no-enable-prefix-caching).",
        ("--no-enable-prefix-caching",)),
+    _i("--disable-hybrid-kv-cache-manager", "One KV group even for half-sliding-window models (gpt-oss): full-length "
+       "KV on every layer, prefix caching kept.", ("--disable-hybrid-kv-cache-manager",)),
     # --- scheduler ---
     _i("--max-num-seqs", "Most requests in one step.", ("--max-num-seqs", "7")),
     _i("--max-num-batched-tokens", "Token budget of one step.", ("--max-num-batched-tokens", "1000")),

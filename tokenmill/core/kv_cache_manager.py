@@ -14,6 +14,24 @@ output tokens already sampled), the block is entered into the pool's hash
 map under its chained hash, even before the worker has written its KV: the
 worker writes every new token's KV before any attention read in the same
 layer, so a request scheduled in the same step may already share it.
+
+Sliding-window group (`sliding_window` set: a model whose layers are half
+full attention, half sliding window, as gpt-oss; vLLM's "hybrid allocator"
+in its smallest form). Each request then has a second table for the
+sliding-window layers, over the same pool: the worker pairs each
+sliding-window layer with a full-attention layer on one KV tensor, so a
+block id belongs to one group at a time. The second table keeps only the
+blocks that a query at or after `num_computed_tokens` can still see: with
+window W, a query at position p sees (p - W, p], so blocks wholly before
+position `num_computed_tokens - W + 1` are freed when the request next
+allocates (their entries become None; the worker keeps the stale ids, which
+attention never reads):
+
+    W = 6, block_size 4, num_computed_tokens 13, 3 new tokens (13..15)
+    full table | b0 | b1 | b2 | b3 |
+    swa table  | -- | -- | b6 | b7 |   first visible: 13 - 6 + 1 = 8 -> blocks before 8 // 4 = 2 freed
+
+Prefix caching is off with a sliding-window group (the caller turns it off).
 """
 
 from __future__ import annotations
@@ -31,6 +49,8 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_caching: prefix caching on/off.
         max_model_len: longest sequence (prompt + output) in tokens.
+        sliding_window: the window of the sliding-window layer group (module
+            docstring), or None for one group; needs enable_caching off.
 
     Attributes:
         prefix_cache_queries: cumulative tokens of requests looked up in the
@@ -41,9 +61,16 @@ class KVCacheManager:
         ValueError: if `block_size` < 1 or `num_blocks` < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, max_model_len: int = 1 << 62) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, max_model_len: int = 1 << 62,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size}.")
+        assert not (enable_caching and sliding_window), "prefix caching is off with a sliding-window group"
+        self.sliding_window = sliding_window
+        # req_id -> sliding-window group table (None = freed, out of the window)
+        self.swa_tables: dict[str, list[KVCacheBlock | None]] = {}
+        # req_id -> sliding-window block ids appended by its latest allocate_slots (pop_new_swa_block_ids)
+        self._new_swa_ids: dict[str, list[int]] = {}
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
@@ -134,6 +161,8 @@ class KVCacheManager:
         assert num_end <= self.max_model_len, "scheduled past max_model_len"
         if num_end <= self.noop_end.get(req_id, -1) and not new_computed_blocks:
             return []  # most decode steps
+        if self.sliding_window is not None:
+            return self._allocate_hybrid(request, num_end)
         req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             new_computed_blocks = self._admit(request, num_new_computed_tokens, new_computed_blocks, num_end)
@@ -163,6 +192,46 @@ class KVCacheManager:
                 self.num_cached_block[request.request_id] = num_full_blocks
         self._set_noop_end(req_id, len(req_blocks))
         return new_block_ids
+
+    def _allocate_hybrid(self, request: Request, num_end: int) -> list[int] | None:
+        """allocate_slots with a sliding-window group (no prefix caching): free the blocks that slid out of
+        the window, then take fresh blocks for both tables, or nothing."""
+        req_id, block_size = request.request_id, self.block_size
+        assert self.sliding_window is not None
+        req_blocks = self.req_to_blocks.setdefault(req_id, [])
+        swa = self.swa_tables.setdefault(req_id, [])
+        self.num_cached_block.setdefault(req_id, 0)
+        first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        gone = [b for b in swa[: first_visible // block_size] if b is not None]
+        if gone:
+            for j in range(first_visible // block_size):
+                swa[j] = None
+            self.block_pool.free_blocks(reversed(gone))
+        num_needed = -(-num_end // block_size)
+        num_full, num_swa = num_needed - len(req_blocks), num_needed - len(swa)
+        if max(num_full, 0) + max(num_swa, 0) > self.block_pool.get_num_free_blocks():
+            return None
+        new_ids: list[int] = []
+        if num_full > 0:
+            fresh = self.block_pool.get_new_blocks(num_full)
+            req_blocks.extend(fresh)
+            new_ids = [b.block_id for b in fresh]
+        swa_ids: list[int] = []
+        if num_swa > 0:
+            fresh = self.block_pool.get_new_blocks(num_swa)
+            swa.extend(fresh)
+            swa_ids = [b.block_id for b in fresh]
+        self._new_swa_ids[req_id] = swa_ids
+        self._set_noop_end(req_id, len(req_blocks))
+        return new_ids
+
+    def pop_new_swa_block_ids(self, req_id: str) -> list[int]:
+        """Sliding-window block ids appended by the request's latest allocate_slots ([] if none or no group)."""
+        return self._new_swa_ids.pop(req_id, [])
+
+    def num_swa_blocks(self, req_id: str) -> int:
+        """Blocks the request holds in its sliding-window table."""
+        return sum(1 for b in self.swa_tables.get(req_id, ()) if b is not None)
 
     def _set_noop_end(self, req_id: str, num_blocks: int) -> None:
         end = num_blocks * self.block_size
@@ -210,6 +279,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self.noop_end.pop(request.request_id, None)
+        self._new_swa_ids.pop(request.request_id, None)
+        swa = self.swa_tables.pop(request.request_id, None)
+        if swa:
+            self.block_pool.free_blocks(reversed([b for b in swa if b is not None]))
         if not blocks:
             return
         for block in blocks[request.num_computed_tokens // self.block_size :]:
@@ -217,8 +290,11 @@ class KVCacheManager:
                 self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        """The request's block table as block ids (a new list; [] if it holds none)."""
+    def get_block_ids(self, req_id: str, swa: bool = False) -> list[int]:
+        """The request's block table as block ids (a new list; [] if it holds none); `swa`: its
+        sliding-window table, freed entries as 0 (never read)."""
+        if swa:
+            return [b.block_id if b is not None else 0 for b in self.swa_tables.get(req_id, ())]
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 
     def reset_prefix_cache(self) -> bool:

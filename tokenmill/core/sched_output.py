@@ -31,6 +31,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hits included).
     num_computed_tokens: int
+    # Its sliding-window group table (KVCacheManager's second group; [] without one).
+    swa_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -42,6 +44,9 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     # num_computed_tokens before this step's tokens are computed.
     num_computed_tokens: list[int] = field(default_factory=list)
+    # With a sliding-window group only (else empty): block ids appended to each request's
+    # sliding-window table this step ([] if none).
+    new_swa_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

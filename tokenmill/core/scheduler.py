@@ -117,7 +117,9 @@ class Scheduler:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             max_model_len=cfg.max_model_len,
+            sliding_window=cache_config.sliding_window_group,
         )
+        self.hybrid = cache_config.sliding_window_group is not None
         self.num_preemptions = 0
         self.num_chunked_prefill_steps = 0
         self.max_num_running_reqs = 0
@@ -248,6 +250,8 @@ class Scheduler:
                     break
             cached_req_ids.append(request.request_id)
             cached_new_blocks.append(block_ids)
+            if self.hybrid:
+                cached.new_swa_block_ids.append(kv.pop_new_swa_block_ids(request.request_id))
             cached_computed.append(num_computed)
             num_scheduled[request.request_id] = num_new
             if num_new < num_left:
@@ -318,7 +322,9 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
+                swa_block_ids=kv.get_block_ids(request.request_id, swa=True) if self.hybrid else [],
             ))
+            kv.pop_new_swa_block_ids(request.request_id)
             num_scheduled[request.request_id] = num_new
             if num_hit_tokens + num_new < request.num_tokens:
                 num_partial += 1
@@ -336,6 +342,8 @@ class Scheduler:
         request.num_output_placeholders = 0  # (the caller preempts it next)
         j = cached.req_ids.index(request.request_id)
         del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
+        if cached.new_swa_block_ids:
+            del cached.new_swa_block_ids[j]
         return n, int(request.num_computed_tokens + n < request.num_tokens)
 
     def _pick_victim(self) -> Request:

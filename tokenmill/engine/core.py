@@ -55,6 +55,8 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // num_heads)
     num_layers = int(getattr(hf, "num_hidden_layers", 1))
+    if engine_config.cache_config.sliding_window_group is not None:
+        num_layers //= 2  # the two groups' layers share tensors pairwise (worker/kv_cache.py)
     return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, mc.dtype)
 
 
@@ -90,7 +92,8 @@ class EngineCore:
         from tokenmill.worker.kv_cache import check_max_model_len_fits
 
         check_max_model_len_fits(num_blocks, cache.block_size, max_model_len,
-                                 kv_memory_hint(cache, engine_config.device_config.device))
+                                 kv_memory_hint(cache, engine_config.device_config.device),
+                                 cache.sliding_window_group, sched_cfg.max_num_batched_tokens)
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         if sched_cfg.async_scheduling and not self.executor.supports_async:
@@ -105,8 +108,22 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(engine_config)
 
     def _log_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        from tokenmill.worker.kv_cache import blocks_per_sequence
+
         tokens = num_blocks * block_size
         gib = num_blocks * kv_cache_bytes_per_block(self.engine_config) / 2**30
+        window = self.engine_config.cache_config.sliding_window_group
+        if window is not None:
+            # Two groups: a sequence holds its full length in the full-attention group and about the window
+            # in the sliding-window group, out of one pool of blocks that each cost half the layers.
+            need = blocks_per_sequence(max_model_len, block_size, window,
+                                       self.engine_config.scheduler_config.max_num_batched_tokens)
+            logger.info("KV cache: %d blocks x %d tokens (%.2f GiB) for the full-attention and the sliding-window "
+                        "layers (window %d tokens); a max_model_len=%d sequence holds at most %d blocks: max "
+                        "concurrency %.1fx requests (%d full-length tokens when the windows are short)",
+                        num_blocks, block_size, gib, window, max_model_len, need, num_blocks / need,
+                        tokens * -(-max_model_len // block_size) // need)
+            return
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: "
                     "%.1fx requests", num_blocks, block_size, tokens, gib, max_model_len, tokens / max_model_len)
 

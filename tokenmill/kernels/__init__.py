@@ -19,6 +19,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference, no FP8 arithmetic)
     quantize_fp8_activations  triton/fp8_quant.py           fp8.py (PyTorch, bit-equal)
     dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
+    dequantize_mxfp4     triton/mxfp4_dequant.py            mxfp4.py (PyTorch)
 
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
 FP8 (e4m3fn) schemes, scales and references: `fp8.py` (`Fp8Weight`).
@@ -182,12 +183,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k routed gated-MLP experts with Triton grouped GEMMs (CUDA): hidden [T, H], w13 [E, 2I, H],
-    w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] (`kernels.triton.fused_moe.fused_experts_triton`)."""
+    w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I] / w2_bias [E, H]
+    -> [T, H] (`kernels.triton.fused_moe.fused_experts_triton`)."""
     from tokenmill.kernels.triton.fused_moe import fused_experts_triton
 
-    return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+    return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                                w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,3 +273,15 @@ def dequantize_fp8_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
 
         return dequantize_fp8_triton(w, dtype)
     return _fp8_dequantize(w, dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G * 32] `dtype` (`kernels/mxfp4.py`
+    layout): one Triton launch on CUDA (`triton/mxfp4_dequant.py`), PyTorch elsewhere; same values."""
+    if blocks.is_cuda:
+        from tokenmill.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton
+
+        return dequantize_mxfp4_triton(blocks, scales, dtype)
+    from tokenmill.kernels.mxfp4 import dequantize_mxfp4 as torch_dequantize_mxfp4
+
+    return torch_dequantize_mxfp4(blocks, scales, dtype)

@@ -21,8 +21,10 @@ class Attention(nn.Module):
             (self included), as HF's sliding-window mask; None = full.
         logits_soft_cap: Gemma-2/3 soft-capping of scores; None = off.
 
-    forward(q, k, v): q [num_tokens, num_heads * head_dim], k and v
-    [num_tokens, num_kv_heads * head_dim], same dtype; returns
+    forward(q, k, v, sinks=None): q [num_tokens, num_heads * head_dim], k and v
+    [num_tokens, num_kv_heads * head_dim], same dtype; `sinks` [num_heads]
+    (gpt-oss): one learned logit per head that joins each softmax
+    denominator and contributes no value, or None; returns
     [num_tokens, num_heads * head_dim]. Outside a forward context with
     metadata (e.g. a profiling run with `attn_metadata=None`) it computes
     nothing and returns zeros of the right shape.
@@ -48,19 +50,24 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         if ctx.attn_metadata is None:
             return torch.zeros_like(q)
+        md = ctx.attn_metadata
+        if self.sliding_window is not None and ctx.attn_metadata_swa is not None:
+            md = ctx.attn_metadata_swa  # the sliding-window KV group's block table and slots
         out = ctx.attn_backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
+            md,
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -8,8 +8,12 @@ by angle `p * inv_freq[i]`, `inv_freq[i] = theta ** (-2i / d)`:
 
 The GPT-J style (`is_neox_style=False`) pairs adjacent dims (0,1), (2,3), ...
 Frequency scalings follow transformers' `modeling_rope_utils.py`:
-"default", "linear" (inv_freq / factor) and "llama3" (Llama-3.1: long
-wavelengths divided by `factor`, short ones kept, a smooth blend between).
+"default", "linear" (inv_freq / factor), "llama3" (Llama-3.1: long
+wavelengths divided by `factor`, short ones kept, a smooth blend between)
+and "yarn" (Peng et al. 2023, arXiv:2309.00071: the same blend over a
+linear ramp of dims between the `beta_fast` and `beta_slow` rotation counts,
+plus an attention factor, default 0.1 ln(factor) + 1, multiplied into cos
+and sin, so q.k scales by its square; gpt-oss).
 
 On CUDA, forward is one fused Triton kernel for q and k (tokenmill/kernels/
 triton/rotary.py, bit-identical); `forward_torch` is the reference.
@@ -30,7 +34,7 @@ from torch import nn
 
 from tokenmill import kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters_from_config(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -74,6 +78,8 @@ def compute_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any]) -> torch.
         return inv_freq / float(rope_parameters["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_parameters)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, rope_parameters)
     raise ValueError(f"RoPE type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}.")
 
 
@@ -91,6 +97,51 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, p: dict[str, Any]) -> torch.Tensor:
+    # transformers' _compute_yarn_parameters: dims whose wavelength fits more than beta_fast rotations in the
+    # original context keep their frequency (extrapolation), dims with fewer than beta_slow are divided by
+    # `factor` (interpolation), and a linear ramp over the dim index blends the two between.
+    base, factor = float(p["rope_theta"]), float(p["factor"])
+    original = float(p["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a nonzero width
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # 1 = keep the original frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope_parameters: dict[str, Any]) -> float:
+    """The factor YaRN multiplies into cos and sin (1.0 for other RoPE types).
+
+    `attention_factor` when given; else from `mscale`/`mscale_all_dim` when
+    both are set, else 0.1 * ln(factor) + 1 (factor > 1), as transformers'
+    `_compute_yarn_parameters`.
+    """
+    if rope_parameters.get("rope_type") != "yarn":
+        return 1.0
+    if rope_parameters.get("attention_factor") is not None:
+        return float(rope_parameters["attention_factor"])
+    factor = float(rope_parameters["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -121,9 +172,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(rotary_dim, rope_parameters)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
-        # Kept in float32 (cast to the activations' dtype at use, as HF does).
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # Kept in float32 (cast to the activations' dtype at use, as HF does); YaRN's attention factor is
+        # multiplied in before that cast, as HF does.
+        scaling = rope_attention_factor(rope_parameters)
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
         # CPU only, built at first use: [max_position, 2, head_size] float32 rows ([cos | cos], [-sin | sin]).
         self._cos_sin_full: torch.Tensor | None = None
 

@@ -26,12 +26,15 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
     other pipeline stages do not shift the draws, so every tp/pp split holds
     the same model. RMSNorm weights are 1 (0 for the Gemma variant, which
     scales by 1 + w). Quantized layers (`model_loader/quantized.py`) get
-    valid random int4/int8 tensors of the same spread (`random_quantized`).
+    valid random int4/int8 tensors of the same spread (`random_quantized`); a parameter with a
+    `dummy_init(param, seed)` attribute (packed quantized weights, e.g. MXFP4 experts) fills itself.
     """
     norm_weights = {id(m.weight): 0.0 if m.gemma else 1.0 for m in model.modules() if isinstance(m, RMSNorm)}
     for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(norm_weights[id(param)])
+        elif (init := getattr(param, "dummy_init", None)) is not None:
+            init(param, seed * 1_000_003 + zlib.crc32(name.encode()))
         elif name.endswith("bias"):
             param.zero_()
         else:

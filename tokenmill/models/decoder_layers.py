@@ -12,8 +12,12 @@ all families; a family module contributes only `make_layer` and what differs:
     Mistral     no        no      no        every layer when set       gated        pre
     Mixtral     no        no      no        every layer when set       MoE          pre
     Gemma 3     attn_bias attn_b  Gemma     layer_types / pattern      GeGLU        sandwich, Gemma
+    gpt-oss     yes       yes     no        layer_types (HF)           MoE (biased) pre
 
-Sources: transformers' `modeling_{llama,qwen2,qwen3,qwen3_moe,mistral,mixtral,gemma3}.py`.
+gpt-oss also turns on attention sinks (`DecoderAttention(sinks=True)`) and,
+in float16, the float32 residual stream (`fp32_residual`).
+
+Sources: transformers' `modeling_{llama,qwen2,qwen3,qwen3_moe,mistral,mixtral,gemma3,gpt_oss}.py`.
 Shapes: a step's tokens from all requests are flattened into one batch of T
 tokens; attention separates requests through the forward context's metadata.
 """
@@ -73,13 +77,16 @@ class DecoderAttention(nn.Module):
         sliding_window: window in tokens (self included) or None.
         rope_parameters: override of `rope_parameters_from_config(config)`.
         logits_soft_cap: attention score soft-cap or None.
+        sinks: a learned sink logit per head (`sinks` [num_heads] float32
+            parameter, gpt-oss), joining each softmax denominator.
 
     forward(positions [T] int64, hidden_states [T, H]) -> [T, H].
     """
 
     def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: str | None = None, scale: float | None = None, sliding_window: int | None = None,
-                 rope_parameters: dict[str, Any] | None = None, logits_soft_cap: float | None = None) -> None:
+                 rope_parameters: dict[str, Any] | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         total_num_heads = config.num_attention_heads
@@ -105,6 +112,19 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, scale if scale is not None else self.head_dim**-0.5,
                               self.num_kv_heads, layer_idx, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap)
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            # float32 whatever the model dtype: the softmax is float32, and a bf16 checkpoint value is exact in it.
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            self.sinks.full_shape = (total_num_heads,)
+            self._q_head_start, self._total_num_heads = q_start, total_num_heads
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.shape != (self._total_num_heads,):
+            raise ValueError(f"Attention sinks tensor has shape {tuple(loaded_weight.shape)}, but the config has "
+                             f"{self._total_num_heads} attention heads (one sink per head).")
+        param.data.copy_(loaded_weight[self._q_head_start:self._q_head_start + self.num_heads])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -115,7 +135,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, self.sinks))
 
 
 class GatedMLP(nn.Module):
@@ -162,11 +182,13 @@ class DecoderLayer(nn.Module):
         y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
 
     `gemma_norm=True` makes every norm Gemma's x * (1 + w).
+    `fp32_residual=True` carries the residual stream in float32 while the
+    sub-blocks run in the model dtype (`add_norm`; gpt-oss in float16).
     forward(positions [T], hidden [T, H], residual [T, H] | None) -> (hidden, residual).
     """
 
     def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, *, sandwich: bool = False,
-                 gemma_norm: bool = False) -> None:
+                 gemma_norm: bool = False, fp32_residual: bool = False) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -174,6 +196,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
         self.post_attention_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
         self.sandwich = sandwich
+        self.fp32_residual = fp32_residual
         if sandwich:
             self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
             self.post_feedforward_layernorm = RMSNorm(h, eps=eps, gemma=gemma_norm)
@@ -181,17 +204,36 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden_states
+            residual = hidden_states.float() if self.fp32_residual else hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = add_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         if not self.sandwich:
-            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
             return self.mlp(hidden_states), residual
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+
+
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the fused add + norm, or, for a float32 residual under a
+    16-bit x, the sum and the norm in float32 with only the normed output cast back to x's dtype.
+
+    Why a float32 residual (gpt-oss in float16, the cc-7.0 path): the residual
+    stream of the real model grows past float16's 65504 in the last layers, and
+    one inf there turns every logit NaN. The normed output is bounded by the
+    norm weights, so only the sum needs the range: each layer's sub-block
+    output still fits float16, the running sum does not. float32 keeps the
+    sum exact to the sub-blocks' precision at 4 extra bytes per token and
+    hidden unit in the step's activations (no weights change), where scaling
+    the activations would need per-model constants.
+    """
+    if residual.dtype == x.dtype:
+        return norm(x, residual)
+    out, residual = norm(x.to(residual.dtype), residual)
+    return out.to(x.dtype), residual
 
 
 class DecoderModel(nn.Module):
@@ -202,7 +244,8 @@ class DecoderModel(nn.Module):
     head), the final norm on the last; a non-first stage takes the previous
     stage's `IntermediateTensors`, a non-last stage returns its own.
     `gemma_norm` makes the final norm Gemma's x * (1 + w); a family that
-    scales its embeddings overrides `embed`.
+    scales its embeddings overrides `embed`. A float32 residual (layers built
+    with `fp32_residual`) meets the final norm through `add_norm`.
     """
 
     def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module], *, gemma_norm: bool = False) -> None:
@@ -231,7 +274,7 @@ class DecoderModel(nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual)
         if not is_last_pp_rank():
             return IntermediateTensors(hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = add_norm(self.norm, hidden_states, residual)
         return hidden_states
 
 

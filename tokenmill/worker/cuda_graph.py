@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -70,6 +71,8 @@ class CUDAGraphRunner:
         kv_caches, attn_backend: what the forward context hands the attention layers.
         sizes: capture sizes, ascending (see `capture_sizes`).
         max_model_len: longest sequence (fixes the kernel's split count at capture).
+        block_table_swa: with a sliding-window KV group, its persistent device block table (and
+            buffers["slot_mapping_swa"] its slots); None with one group.
     """
 
     def __init__(
@@ -81,10 +84,12 @@ class CUDAGraphRunner:
         attn_backend,
         sizes: list[int],
         max_model_len: int,
+        block_table_swa: torch.Tensor | None = None,
     ) -> None:
         self.forward = forward
         self.buf = buffers
         self.block_table = block_table
+        self.block_table_swa = block_table_swa
         self.kv_caches = kv_caches
         self.attn_backend = attn_backend
         self.sizes = sizes
@@ -111,6 +116,13 @@ class CUDAGraphRunner:
             seq_lens_cpu=None,  # type: ignore[arg-type]
         )
 
+    def metadata_swa(self, size: int) -> AttentionMetadata | None:
+        """The sliding-window group's metadata of a graph of `size` decodes (None with one group)."""
+        if self.block_table_swa is None:
+            return None
+        return replace(self.metadata(size), block_table=self.block_table_swa[:size],
+                       slot_mapping=self.buf["slot_mapping_swa"][:size])
+
     def pad_decode_inputs(self, num_reqs: int, size: int) -> None:
         """Make rows [num_reqs, size) padding requests: one token each, seq_len 1, slot -1.
 
@@ -120,6 +132,8 @@ class CUDAGraphRunner:
         if size == num_reqs:
             return
         self.buf["slot_mapping"][num_reqs:size].fill_(-1)
+        if self.block_table_swa is not None:
+            self.buf["slot_mapping_swa"][num_reqs:size].fill_(-1)
         self.buf["seq_lens"][num_reqs:size].fill_(1)
         self.buf["query_start_loc"][num_reqs + 1 : size + 1].copy_(self._arange[num_reqs + 1 : size + 1])
         self.buf["input_ids"][num_reqs:size].zero_()
@@ -141,7 +155,7 @@ class CUDAGraphRunner:
             self.pad_decode_inputs(0, size)
             md = self.metadata(size)
             ids, pos = self.buf["input_ids"][:size], self.buf["positions"][:size]
-            with set_forward_context(md, self.kv_caches, self.attn_backend):
+            with set_forward_context(md, self.kv_caches, self.attn_backend, self.metadata_swa(size)):
                 self.forward(ids, pos)  # warm-up
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

@@ -20,7 +20,7 @@ entry; `append_sampled_ids` writes the ids into `token_ids` once read back).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
+    # With a sliding-window KV group: the sliding-window layers' metadata (own block table and slots), else None.
+    attn_metadata_swa: AttentionMetadata | None
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample from
     rows: np.ndarray  # [num_reqs] batch rows of the scheduled requests, in token order
     sample_rows: np.ndarray  # [S] batch rows that sample, in logits order
@@ -67,6 +69,7 @@ class InputBatch:
         vocab_size: int,
         device: torch.device,
         pin_memory: bool,
+        two_groups: bool = False,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -78,6 +81,10 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size, device, pin_memory)
+        # The sliding-window group's tables (two_groups; core/kv_cache_manager.py): same shape, entries of blocks
+        # that slid out of the window stay stale and are never read.
+        self.block_table_swa = (BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size, device,
+                                           pin_memory) if two_groups else None)
         self.sampling = SamplingState(max_num_reqs, vocab_size, device)
         # Staging buffers (pinned on CUDA) and their device twins; a step uses a prefix.
         t, r = max_num_batched_tokens, max_num_reqs
@@ -85,6 +92,7 @@ class InputBatch:
             "input_ids": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
             "positions": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
             "slot_mapping": torch.zeros(t, dtype=torch.int64, pin_memory=pin_memory),
+            "slot_mapping_swa": torch.zeros(t if two_groups else 0, dtype=torch.int64, pin_memory=pin_memory),
             "query_start_loc": torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin_memory),
             "seq_lens": torch.zeros(r, dtype=torch.int32, pin_memory=pin_memory),
             "logits_indices": torch.zeros(r, dtype=torch.int64, pin_memory=pin_memory),
@@ -114,6 +122,7 @@ class InputBatch:
         self.pending_idx = np.full(r, -1, np.int64)
         # (step id, sampled ids [S] on the device) of the last launched step, until it is read back.
         self._unread: tuple[int, torch.Tensor] | None = None
+        self._swa_table: torch.Tensor | None = None  # this step's sliding-window block table (two groups)
 
     @property
     def num_reqs(self) -> int:
@@ -153,6 +162,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table.add_row(row, new.block_ids)
+        if self.block_table_swa is not None:
+            self.block_table_swa.add_row(row, new.swa_block_ids)
         self.sampling.add(row, new.sampling_params, len(new.output_token_ids))
         self.pending_step[row] = -1
         return row
@@ -172,11 +183,15 @@ class InputBatch:
                         self.pending_idx):
                 arr[row] = arr[last]
             self.block_table.move_row(last, row)
+            if self.block_table_swa is not None:
+                self.block_table_swa.move_row(last, row)
             self.sampling.move(last, row)
             self.req_ids[row] = moved
             self.req_id_to_index[moved] = row
         self.req_ids.pop()
         self.block_table.clear_row(last)
+        if self.block_table_swa is not None:
+            self.block_table_swa.clear_row(last)
         self.sampling.clear(last)
         self.pending_step[last] = -1
 
@@ -254,6 +269,8 @@ class InputBatch:
         h["input_ids"][:total] = self.token_ids.ravel()[token_rows * self.max_model_len + positions]
         placeholders = self._placeholders(token_rows, positions) if self._unread is not None else None
         h["slot_mapping"][:total] = self.block_table.slot_mapping(token_rows, positions)
+        if self.block_table_swa is not None:
+            h["slot_mapping_swa"][:total] = self.block_table_swa.slot_mapping(token_rows, positions)
         seq_lens = h["seq_lens"][:num_reqs]
         if decode:
             np.add(positions, 1, out=seq_lens, casting="unsafe")
@@ -273,8 +290,11 @@ class InputBatch:
             h["logits_indices"][:num_sample] = qsl[1:][samples] - 1
 
         dev = {}
-        for name, n in (("input_ids", total), ("positions", total), ("slot_mapping", total),
-                        ("query_start_loc", num_reqs + 1), ("seq_lens", num_reqs), ("logits_indices", num_sample)):
+        names = (("input_ids", total), ("positions", total), ("slot_mapping", total),
+                 ("query_start_loc", num_reqs + 1), ("seq_lens", num_reqs), ("logits_indices", num_sample))
+        if self.block_table_swa is not None:
+            names += (("slot_mapping_swa", total),)
+        for name, n in names:
             host_view, dev_view = self._staged(name, n)
             dev_view.copy_(host_view, non_blocking=True)
             dev[name] = dev_view
@@ -293,10 +313,13 @@ class InputBatch:
             query_start_loc_cpu=qsl.copy(),
             seq_lens_cpu=seq_lens.copy(),
         )
+        md_swa = None
+        if self.block_table_swa is not None:
+            md_swa = replace(md, block_table=self._swa_table, slot_mapping=dev["slot_mapping_swa"])
         sampling_md = None
         if num_sample:
             sampling_md = self.sampling.make_metadata(sample_rows, self.token_ids, self.num_prompt_tokens, self.num_tokens)
-        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"], rows, sample_rows,
+        return StepInputs(dev["input_ids"], dev["positions"], md, md_swa, dev["logits_indices"], rows, sample_rows,
                           sampling_md)
 
     def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -328,8 +351,11 @@ class InputBatch:
         input_ids.index_copy_(0, staged[0], sampled.index_select(0, staged[1]).to(input_ids.dtype))
 
     def _commit_block_table(self, rows: np.ndarray) -> torch.Tensor:
-        """The block table rows on the device; on CUDA, then mark the step's staged copies."""
+        """The block table rows on the device (and the sliding-window group's, kept in `_swa_table`); on CUDA,
+        then mark the step's staged copies."""
         table = self.block_table.commit(rows)
+        if self.block_table_swa is not None:
+            self._swa_table = self.block_table_swa.commit(rows)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()

@@ -1,7 +1,13 @@
 """KV cache shape, size and allocation (the physical side of PagedAttention).
 
 One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 = keys, 1 = values), in the model dtype.
+(index 0 = keys, 1 = values), in the model dtype. With a sliding-window
+group (`sliding_window_group`: half the layers full attention, half a
+sliding window, as gpt-oss) the k-th sliding-window layer shares the k-th
+full-attention layer's tensor: a block id then belongs to one group at a
+time (core/kv_cache_manager.py hands them out), and a block costs half the
+layers' bytes, so the same memory holds twice the blocks while
+sliding-window layers keep only the window's blocks of each request.
 
 The one size formula (`kv_bytes_per_block`) and the one "does a
 max_model_len sequence fit" check (`check_max_model_len_fits`) live here.
@@ -27,16 +33,46 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * block_size * num_kv_heads * head_dim * dtype_bytes(dtype) * num_layers
 
 
+def blocks_per_sequence(num_tokens: int, block_size: int, window: int | None = None,
+                        chunk: int | None = None) -> int:
+    """Blocks one sequence of `num_tokens` holds at most: ceil(num_tokens / block_size), plus, with a
+    sliding-window group of `window`, the blocks its sliding-window table holds during a step of at most
+    `chunk` new tokens (default: the whole sequence at once): the window before the chunk and the chunk,
+    plus one partly used block, never more than the whole sequence.
+
+    block_size 16, window 128, chunk 2048, 4096 tokens -> 256 + min(256, ceil(2175 / 16) + 1 = 137) = 393.
+    """
+    full = -(-num_tokens // block_size)
+    if window is None:
+        return full
+    span = window - 1 + (chunk if chunk is not None else num_tokens)
+    return full + min(full, -(-span // block_size) + 1)
+
+
 def check_max_model_len_fits(num_blocks: int, block_size: int, max_model_len: int,
-                             memory_hint: str | None = None) -> None:
+                             memory_hint: str | None = None, window: int | None = None,
+                             chunk: int | None = None) -> None:
     """Raise when one `max_model_len` sequence cannot fit in a KV cache of `num_blocks` blocks.
 
     memory_hint: what would give the KV cache more memory here (`tokenmill.config.kv_memory_hint`);
-    default names every such flag.
+    default names every such flag. window, chunk: a sliding-window group (`blocks_per_sequence`).
 
     Raises:
-        ValueError: with the largest max_model_len that fits (num_blocks * block_size) and the flags that help.
+        ValueError: with the largest max_model_len that fits (num_blocks * block_size with one group) and the
+            flags that help.
     """
+    if window is not None:
+        if blocks_per_sequence(max_model_len, block_size, window, chunk) <= num_blocks:
+            return
+        lo, hi = 0, max_model_len  # the largest length that fits, by bisection (monotone in length)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if blocks_per_sequence(mid, block_size, window, chunk) <= num_blocks else (lo, mid - 1)
+        raise ValueError(
+            f"The KV cache holds {num_blocks} blocks x {block_size} tokens, shared by the full-attention and the "
+            f"sliding-window layers (window {window}), fewer than one sequence of max_model_len={max_model_len} "
+            f"needs. The largest max_model_len that fits is {lo}; pass --max-model-len {lo}, or "
+            + (memory_hint or "give the KV cache more memory") + ".")
     capacity = num_blocks * block_size
     if capacity < max_model_len:
         raise ValueError(
@@ -49,6 +85,27 @@ def check_max_model_len_fits(num_blocks: int, block_size: int, max_model_len: in
         )
 
 
+def sliding_window_group(hf_config: Any, pipeline_parallel_size: int = 1) -> int | None:
+    """The window of a model's sliding-window KV group, or None when it has one group.
+
+    Two groups when `layer_types` marks as many layers "sliding_attention"
+    (with a `sliding_window`) as "full_attention" and nothing else, on one
+    pipeline stage (gpt-oss: alternating, window 128). Other mixes (Gemma 3's
+    5 local : 1 global) keep one group: pairing layers on shared tensors needs
+    equal counts.
+    """
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    types = list(getattr(cfg, "layer_types", None) or [])
+    window = getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", True):  # Qwen2/3: the window is off whatever layer_types says
+        return None
+    if not types or not window or pipeline_parallel_size != 1 or set(types) != {"full_attention", "sliding_attention"}:
+        return None
+    if types.count("sliding_attention") != types.count("full_attention"):
+        return None
+    return int(window)
+
+
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
     num_layers: int  # on this pipeline stage
@@ -57,14 +114,24 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     first_layer: int = 0  # global index of this stage's first layer (pipeline parallelism)
+    # With a sliding-window group: global indices of the full-attention and the sliding-window layers (equal
+    # counts); the k-th of each share one tensor. Empty: one group, one tensor per layer.
+    full_layers: tuple[int, ...] = ()
+    swa_layers: tuple[int, ...] = ()
+
+    @property
+    def num_tensors(self) -> int:
+        """KV tensors of this stage: one per layer, or one per (full, sliding-window) pair."""
+        return len(self.full_layers) if self.swa_layers else self.num_layers
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block over this stage's layers (`kv_bytes_per_block`)."""
-        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        """Bytes of one block over this stage's KV tensors (`kv_bytes_per_block`)."""
+        return kv_bytes_per_block(self.num_tensors, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
 
-def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: int | None = None) -> KVCacheSpec:
+def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: int | None = None,
+                  two_groups: bool = False) -> KVCacheSpec:
     """Read layer count, KV heads and head size from a transformers config.
 
     Multimodal configs (e.g. Gemma 3) are read through their text config.
@@ -72,7 +139,8 @@ def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: 
     split them (`distributed.partition.head_partition`: whole KV-head groups,
     possibly uneven, replicated when fewer heads than ranks); layers over
     pipeline stages. Rank and stage come from `distributed.parallel_state`;
-    `tp_size` overrides the size (rank 0's share).
+    `tp_size` overrides the size (rank 0's share). `two_groups`: the config
+    has a sliding-window group (`sliding_window_group`) and it is used.
     """
     from tokenmill.distributed import parallel_state as ps
     from tokenmill.distributed.partition import head_partition, pp_layer_range
@@ -85,7 +153,13 @@ def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: 
     tp = ps.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
     num_kv = head_partition(num_heads, total_kv, tp, tp_rank).num_kv_heads
     start, end = pp_layer_range(cfg.num_hidden_layers, ps.get_pp_rank(), ps.get_pp_world_size())
-    return KVCacheSpec(end - start, num_kv, head_dim, block_size, dtype, first_layer=start)
+    full, swa = (), ()
+    if two_groups:
+        types = list(cfg.layer_types)
+        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+        swa = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return KVCacheSpec(end - start, num_kv, head_dim, block_size, dtype, first_layer=start, full_layers=full,
+                       swa_layers=swa)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
@@ -93,6 +167,11 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device)
     whole blocks and masks the unused slots, and NaN garbage there would leak
     through `0 * NaN` in the softmax-weighted sum."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if spec.swa_layers:  # the k-th sliding-window layer shares the k-th full-attention layer's tensor
+        caches: list[torch.Tensor] = [torch.empty(0)] * spec.num_layers
+        for full, swa in zip(spec.full_layers, spec.swa_layers, strict=True):
+            caches[full] = caches[swa] = torch.zeros(shape, dtype=spec.dtype, device=device)
+        return caches
     # Layers of earlier pipeline stages get empty placeholders so `kv_caches[layer_idx]` stays global.
     placeholders = [torch.empty(0, dtype=spec.dtype, device=device) for _ in range(spec.first_layer)]
     return placeholders + [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

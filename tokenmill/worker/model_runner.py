@@ -49,7 +49,9 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         # Heads and layers of this rank come from the initialized process groups (uneven splits included).
         override = None if tp_size == ps.get_tensor_model_parallel_world_size() else tp_size
-        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, override)
+        self.window_group = cc.sliding_window_group  # two KV groups (worker/kv_cache.py) when set
+        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, override,
+                                               two_groups=self.window_group is not None)
         self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)
         self.pin_memory = device.type == "cuda"
         text_cfg = mc.hf_config.get_text_config() if hasattr(mc.hf_config, "get_text_config") else mc.hf_config
@@ -63,7 +65,7 @@ class ModelRunner:
         self._step_id = 0  # steps that sampled (async scheduling matches read-backs to launches by it)
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_num_tokens, cc.block_size, self.vocab_size,
-            device, self.pin_memory,
+            device, self.pin_memory, two_groups=self.window_group is not None,
         )
 
     # ---- set-up ------------------------------------------------------------------
@@ -167,13 +169,15 @@ class ModelRunner:
         bs = self.spec.block_size
         need = -(-self.max_model_len // bs)
         check_max_model_len_fits(num_blocks, bs, self.max_model_len,
-                                 kv_memory_hint(self.config.cache_config, self.device.type))
+                                 kv_memory_hint(self.config.cache_config, self.device.type), self.window_group,
+                                 self.max_num_tokens)
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
         if self._use_cuda_graphs():
+            swa_table = self.input_batch.block_table_swa
             self.cuda_graphs = CUDAGraphRunner(
                 self._run_model, self.input_batch.device_buffers, self.input_batch.block_table.block_table,
                 self.kv_caches, self.attn_backend, capture_sizes(self.max_num_reqs, self.max_num_tokens),
-                self.graph_max_seq_len,
+                self.graph_max_seq_len, block_table_swa=swa_table.block_table if swa_table is not None else None,
             )
             self.cuda_graphs.capture()
         # The engine core logs the one user-facing KV-cache line; this one is per worker.
@@ -243,7 +247,7 @@ class ModelRunner:
         if self.cuda_graphs is not None and md.max_query_len == 1 and md.max_seq_len <= self.graph_max_seq_len:
             hidden = self.cuda_graphs.replay(md.num_reqs)
         if hidden is None:
-            with set_forward_context(md, self.kv_caches, self.attn_backend):
+            with set_forward_context(md, self.kv_caches, self.attn_backend, inputs.attn_metadata_swa):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
         req_ids = [batch.req_ids[r] for r in inputs.rows.tolist()]
         index = {r: i for i, r in enumerate(req_ids)}
@@ -342,6 +346,9 @@ class ModelRunner:
             row = batch.req_id_to_index[req_id]
             batch.block_table.append_row(row, new_blocks)
             batch.num_computed_tokens[row] = num_computed
+        if batch.block_table_swa is not None:
+            for req_id, new_blocks in zip(cached.req_ids, cached.new_swa_block_ids, strict=True):
+                batch.block_table_swa.append_row(batch.req_id_to_index[req_id], new_blocks)
 
 
 def _logprobs_lists(n: int, index: dict[str, int], sample_req_ids: list[str], lp_rows: list[list[float]],

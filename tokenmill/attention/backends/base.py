@@ -30,5 +30,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,  # attend to the last `sliding_window` positions (incl. self)
         logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+        # [num_heads] float32 logit per head added to each softmax denominator as exp(sink), no value (gpt-oss)
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

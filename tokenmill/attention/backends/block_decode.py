@@ -160,10 +160,13 @@ def block_decode_attention(
     plan: BlockDecodePlan,
     scale: float,
     cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each decode row over its keys in the cache; returns [B, H, D] float32.
 
     `cap`: soft-capping of the scores, cap * tanh(scores / cap) (Gemma-2), or None.
+    `sinks`: [H] per-head logit that joins every row's max and softmax
+    denominator and adds no value (gpt-oss), or None.
     All sources go through one softmax pipeline over their concatenated
     blocks; only the two matmuls (and a gathered source's copy) are per source.
     The matmuls run in the cache's dtype (bfloat16: oneDNN/AMX); the softmax,
@@ -213,9 +216,13 @@ def block_decode_attention(
     owner = plan.owner
     row_max = s.new_full((num_rows + 1, num_heads), float("-inf"))
     row_max.scatter_reduce_(0, owner[:, None].expand(num_blocks, num_heads), s.amax(dim=-1), "amax")
+    if sinks is not None:
+        row_max = torch.maximum(row_max, sinks.float()[None])
     s = s.sub_(row_max.index_select(0, owner)[:, :, None])
     p = F.threshold(s, _EXP_FLOOR, float("-inf"), inplace=True).exp_()  # [N, H, bs] float32
     denom = s.new_zeros(num_rows + 1, num_heads).index_add_(0, owner, p.sum(dim=-1))
+    if sinks is not None:
+        denom += torch.exp(sinks.float()[None] - row_max)
     # P @ V over all KV heads at once: P placed on the diagonal of [N, Hkv, G, bs, Hkv], zeros elsewhere.
     plan.probs.diagonal(dim1=1, dim2=4).copy_(p.view(num_blocks, num_kv_heads, group, block_size).permute(0, 2, 3, 1))
     probs = plan.probs.view(num_blocks, num_heads, width)

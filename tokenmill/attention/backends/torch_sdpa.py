@@ -32,6 +32,13 @@ A fresh prompt, and a chunk whose cached context and itself fit one tile
 (no soft-cap), go straight to `torch.nn.functional.scaled_dot_product_attention`
 (the chunk with its tile's mask), whose fused CPU/CUDA kernels are themselves tiled.
 
+Attention sinks (gpt-oss: one logit per head that joins the softmax
+denominator as exp(sink) and carries no value) are supported by the
+block-by-block decode and the tiled path; a sink layer skips the C decode
+kernel and torch's fused SDPA (neither can add a term to its denominator)
+and takes those instead: decodes from the cache via `block_decode`, prefill
+chunks via the tiles below.
+
 Everything that depends only on the step's metadata (which blocks each
 group reads, the causal/window masks as additive biases) is planned once per
 step and window, on the first layer, and reused by every other layer.
@@ -127,7 +134,7 @@ class TorchSDPABackend:
         self.use_sdpa_prefill = use_sdpa_prefill
         self.decode_from_cache = decode_from_cache
         self.use_cpu_kernel = use_cpu_kernel
-        self._plans: list[_Plan] = []  # this step's plans, one per sliding-window value
+        self._plans: list[_Plan] = []  # plans per (metadata, window): this step's, maybe the last step's
 
     def forward(
         self,
@@ -140,6 +147,7 @@ class TorchSDPABackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write K/V to the cache, then attend. See `AttentionBackend.forward`.
 
@@ -152,7 +160,8 @@ class TorchSDPABackend:
         from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype == kv_cache.dtype
                       and kv_cache.dtype in _BLOCK_DECODE_DTYPES)
         kernel = None
-        if from_cache and self.use_cpu_kernel and cpu_decode.kernel_supports(query, kv_cache):
+        # The C decode kernel has no sink term: sink layers decode with block_decode.
+        if from_cache and self.use_cpu_kernel and sinks is None and cpu_decode.kernel_supports(query, kv_cache):
             kernel = cpu_decode.load_kernel()
         plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
                               kernel is not None)
@@ -169,16 +178,16 @@ class TorchSDPABackend:
                                               sliding_window, logits_soft_cap)
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
-            o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap)
+            o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap, sinks)
             out.index_copy_(0, plan.decode_tokens, o.to(out.dtype))
         for g in plan.decodes:
             assert g.tokens is not None and g.tiles is not None
             q5 = query.index_select(0, g.tokens).view(-1, num_kv_heads, group, 1, head_dim)
-            o = _attend(q5, kv_cache, g.tiles, scale, logits_soft_cap)
+            o = _attend(q5, kv_cache, g.tiles, scale, logits_soft_cap, sinks)
             out.index_copy_(0, g.tokens, o.view(-1, num_heads, head_dim))
         for g in plan.prefills:
             q = query[g.start : g.end]
-            if self.use_sdpa_prefill and logits_soft_cap is None:
+            if self.use_sdpa_prefill and logits_soft_cap is None and sinks is None:
                 if g.fresh:
                     out[g.start : g.end] = fresh_prefill_sdpa(q, key[g.start : g.end], value[g.start : g.end],
                                                                scale, sliding_window)
@@ -189,7 +198,7 @@ class TorchSDPABackend:
                     continue
             qlen = g.end - g.start
             q5 = q.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
-            o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap)
+            o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap, sinks)
             # [1, Hkv, G, Q, D] -> [Q, H, D]
             out[g.start : g.end] = o[0].permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         return out
@@ -198,10 +207,12 @@ class TorchSDPABackend:
 
     def _get_plan(self, md: AttentionMetadata, window: int | None, block_size: int, device: torch.device,
                   from_cache: bool, with_kernel: bool) -> _Plan:
-        if self._plans and self._plans[0].md is not md:
-            self._plans = []  # a new step
+        if self._plans and not any(p.md is md for p in self._plans) and len({id(p.md) for p in self._plans}) >= 2:
+            # A new step. Plans of two metadata objects are kept: with two KV groups the sliding-window layers
+            # have their own (attn_metadata_swa), and layers of the two groups alternate.
+            self._plans = []
         for plan in self._plans:
-            if plan.window == window and plan.with_kernel == with_kernel:
+            if plan.md is md and plan.window == window and plan.with_kernel == with_kernel:
                 return plan
         plan = self._make_plan(md, window, block_size, device, from_cache, with_kernel)
         self._plans.append(plan)
@@ -387,15 +398,18 @@ def _attend(
     tiles: list[_Tile],
     scale: float,
     cap: float | None,
+    sinks: torch.Tensor | None = None,  # [H] float, H = Hkv * G
 ) -> torch.Tensor:  # [B, Hkv, G, Q, D] in q's dtype
     """Attention of B query groups over their planned key tiles.
 
     One tile: plain softmax. Several: online softmax over tiles, so the
-    largest score tensor is [B, Hkv, G, Q, tile keys].
+    largest score tensor is [B, Hkv, G, Q, tile keys]. With `sinks`, head h's
+    denominator gains exp(sinks[h]) (relative to the running max, which the
+    sink joins), after the last tile.
     """
     bsz, num_kv_heads, group, qlen, head_dim = q.shape
     q_flat = q.reshape(bsz, num_kv_heads, group * qlen, head_dim)
-    if len(tiles) == 1:
+    if len(tiles) == 1 and sinks is None:
         s, v = _tile_scores(q_flat, kv_cache, tiles[0], scale, cap)
         return _pv(s.softmax(dim=-1), v).view(q.shape).to(q.dtype)
     m = l = acc = None
@@ -415,5 +429,12 @@ def _attend(
             acc = acc * corr[..., None] + pv
         m = m_new
         del s, p, v  # free this tile's scores before the next tile's are built
-    assert acc is not None and l is not None, "every request has at least one key"
+    assert acc is not None and l is not None and m is not None, "every request has at least one key"
+    if sinks is not None:
+        # Row r of a KV head's [G * Q] rows is query head g = r // Q: sinks [Hkv * G] -> [1, Hkv, G * Q].
+        sink = sinks.float().view(num_kv_heads, group).repeat_interleave(qlen, dim=1)[None]
+        m_fin = torch.maximum(m, sink)
+        corr = torch.exp(m - m_fin)
+        l = l * corr + torch.exp(sink - m_fin)
+        acc = acc * corr[..., None]
     return (acc / l[..., None]).view(q.shape).to(q.dtype)

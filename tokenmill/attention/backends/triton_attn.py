@@ -54,6 +54,7 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] gpt-oss sink logits
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the step's K/V into `kv_cache`, then attend (see the base class).
 
@@ -74,5 +75,6 @@ class TritonAttentionBackend:
             scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
             num_stages=self.num_stages,
         )

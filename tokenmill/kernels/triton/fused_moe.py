@@ -12,7 +12,10 @@ program computes a `[BLOCK_M, BLOCK_N]` output tile of that expert:
 Launch 1 (w13, gate and up fused): rows of A are tokens (pair // top_k),
 C [T * k, 2I]. Then act(gate) * up in PyTorch. Launch 2 (w2): rows of A are
 pairs, the routing weight is applied to each row, C [T * k, H]; the top-k
-rows of a token are summed in float32. The scheme is the grouped GEMM of
+rows of a token are summed in float32. Expert biases (gpt-oss) are added
+around the launches, not in the kernel: after launch 1 each pair's row gets
+its expert's gate/up bias, after launch 2 its routing weight times its
+expert's down bias. The scheme is the grouped GEMM of
 MegaBlocks (Gale et al. 2022) and vLLM's fused_moe; written here from that
 description. Sorting needs no host sync (the tile count is bounded statically).
 """
@@ -155,6 +158,8 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     block_m: int | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `fused_experts_reference`, computed with two grouped-GEMM launches.
 
@@ -164,6 +169,7 @@ def fused_experts_triton(
         topk_weights: [T, k]; topk_ids: [T, k] in [0, E).
         block_m: rows per tile (16 or more, a power of two); default 16 for
             small batches (decode), 64 otherwise.
+        w13_bias: [E, 2I] or None; w2_bias: [E, H] or None (see the reference).
 
     Returns:
         [T, H] in hidden_states' dtype.
@@ -176,7 +182,13 @@ def fused_experts_triton(
     aligned = moe_align_block_size(topk_ids, block_m, w13.shape[0])
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden_states.dtype, device=hidden_states.device)
     _grouped_gemm(hidden_states, w13, gate_up, None, aligned, top_k, block_m)
+    pair_experts = topk_ids.reshape(-1)  # rows of gate_up and down are pairs p = token * top_k + slot
+    if w13_bias is not None:
+        gate_up += w13_bias.index_select(0, pair_experts)
     inter = act_and_mul(gate_up, activation)
     down = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden_states.device)
-    _grouped_gemm(inter, w2, down, topk_weights.reshape(-1).float().contiguous(), aligned, 1, block_m)
+    pair_weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(inter, w2, down, pair_weights, aligned, 1, block_m)
+    if w2_bias is not None:
+        down += pair_weights[:, None] * w2_bias.index_select(0, pair_experts).float()
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden_states.dtype)

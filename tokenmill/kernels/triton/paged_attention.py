@@ -38,6 +38,12 @@ Only tiles reaching past the block's first token need the causal mask.
 Softmax is the online (streaming) form of FlashAttention (Dao et al. 2022,
 Alg. 1) in fp32, in base 2 (exp2 with log2(e) folded into the scale).
 
+Attention sinks (gpt-oss): head h's softmax denominator gains exp(sink[h])
+(the sink logit is in the units of the scaled scores and has no value row).
+Without splits the kernel adds it after the KV loop, rescaling to
+max(m, sink) first; with splits each split leaves its plain partial result
+and `merge_splits` adds the sink once, as one more split with o = 0.
+
 Small decode batches split each KV range over grid axis 2 (flash-decoding);
 each split writes a partial result and its log-sum-exp, and
 `merge_splits` combines them. Tile sizes and the split count are chosen
@@ -63,6 +69,7 @@ def paged_attention_kernel(
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32 per-head sink logits, read when USE_SINKS (and not SPLIT_KV)
     scale,  # fp32 softmax scale
     softcap,  # fp32, used when USE_SOFTCAP
     sliding_window,  # i32, used when USE_WINDOW
@@ -90,6 +97,7 @@ def paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= head_dim (>= 16)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     NUM_SPLITS: tl.constexpr,  # KV range split over grid axis 2 (flash-decoding); 1 = off
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
@@ -201,6 +209,14 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if USE_SINKS and not SPLIT_KV:
+        # exp(sink) joins the denominator: rescale acc and l to m_fin = max(m, sink) first. Rows that saw no
+        # key (m = -inf) get corr = 0, so their output stays 0.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        corr = tl.exp2(m_i - m_fin)
+        l_i = l_i * corr + tl.exp2(sink - m_fin)
+        acc = acc * corr[:, None]
     # Rows with no visible key (padding rows, empty splits) have l == 0 -> output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row_off = split * stride_o_split + tok_global * stride_o_tok + head * stride_o_head
@@ -230,6 +246,7 @@ def paged_attention(
     num_warps: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -254,6 +271,8 @@ def paged_attention(
         num_splits: split each KV range over this many programs and merge
             (flash-decoding); default from `choose_num_splits`. Any value is
             correct for any data, so a CUDA graph may keep the captured one.
+        sinks: [num_heads] per-head sink logits (any float dtype; gpt-oss):
+            each softmax denominator gains exp(sinks[h]); None = off.
 
     Returns:
         out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
@@ -272,6 +291,11 @@ def paged_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), one logit per query head; got "
+                             f"{tuple(sinks.shape)}.")
+        sinks = sinks.float().contiguous()
     qpk = num_heads // num_kv_heads
     cfg = choose_launch_config(
         max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps
@@ -298,6 +322,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        sinks if sinks is not None else query,
         float(scale),
         float(logits_soft_cap or 0.0),
         int(sliding_window or 0),
@@ -325,6 +350,7 @@ def paged_attention(
         HEAD_DIM_PAD=cfg.head_dim_pad,
         USE_WINDOW=sliding_window is not None and sliding_window > 0,
         USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
+        USE_SINKS=sinks is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
         SPLIT_KV=split_kv,
@@ -332,5 +358,5 @@ def paged_attention(
         num_stages=cfg.num_stages,
     )
     if split_kv:
-        merge_splits(partial, lse, out)
+        merge_splits(partial, lse, out, sinks)
     return out

@@ -7,7 +7,12 @@ every expert's intermediate dim, as Megatron's column/row split of an MLP):
     w2_weight  [E, H, I_p]       down (w2), columns split
 
 so the expert outputs of a rank are partial sums and one all-reduce after
-the block completes them. The router (the `gate` linear) is replicated and
+the block completes them. With `has_bias` (gpt-oss) each expert also has
+
+    w13_bias [E, 2 * I_p]        gate then up, sliced like w13_weight's rows
+    w2_bias  [E, H]              whole on every rank, added by rank 0 only
+                                 (the all-reduce would otherwise add it tp times)
+ The router (the `gate` linear) is replicated and
 lives in the model. Computation: the Triton grouped GEMM on CUDA, the
 PyTorch reference elsewhere (`fused_experts`).
 
@@ -47,15 +52,17 @@ from tokenmill.layers.quant_params import (
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Expert computation on the best path for the device: Triton on CUDA, PyTorch elsewhere.
 
     Shapes as `fused_experts_reference`: hidden [T, H], w13 [E, 2I, H],
-    w2 [E, H, I], topk [T, k] -> [T, H].
+    w2 [E, H, I], topk [T, k], optional w13_bias [E, 2I], w2_bias [E, H] -> [T, H].
     """
     if hidden_states.is_cuda:
-        return kernels.fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation)
-    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+        return kernels.fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                                     w13_bias=w13_bias, w2_bias=w2_bias)
+    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
 
 
 class FusedMoE(nn.Module):
@@ -67,8 +74,9 @@ class FusedMoE(nn.Module):
         hidden_size: H.
         intermediate_size: each expert's full intermediate size I (split across TP ranks).
         renormalize: renormalise the top-k routing weights to sum to 1.
-        activation: "silu" or "gelu".
+        activation: "silu", "gelu" or "swigluoai" (`kernels.moe_activation`).
         reduce_results: all-reduce the partial sums across TP ranks in forward.
+        has_bias: per-expert biases on both projections (module docstring).
 
     forward(hidden_states [T, H], router_logits [T, E]) -> [T, H].
 
@@ -78,7 +86,8 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, activation: str = "silu", reduce_results: bool = True) -> None:
+                 renormalize: bool, activation: str = "silu", reduce_results: bool = True,
+                 has_bias: bool = False) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
@@ -95,6 +104,19 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.intermediate_size_per_partition = i_p = intermediate_size // self.tp_size
         dtype = torch.get_default_dtype()
+        self.create_weights(num_experts, hidden_size, intermediate_size, dtype)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * i_p, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            self.w13_bias.weight_loader = self.bias_loader
+            self.w2_bias.weight_loader = self.bias_loader
+            self.w13_bias.full_shape = (num_experts, 2 * intermediate_size)
+
+    def create_weights(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        """The expert weights `w13_weight` / `w2_weight` (a packed-weight subclass makes its own instead)."""
+        i_p = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_p, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_p, dtype=dtype), requires_grad=False)
@@ -149,6 +171,27 @@ class FusedMoE(nn.Module):
             setattr(self, f"{part}_weight", param)
         self.quant = None
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2 I_p, H], w2 [E, H, I_p]) in the model dtype, as the expert GEMMs take them."""
+        return self.w13_weight, self.w2_weight
+
+    def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's part of a stacked expert bias: `w13_bias` from `[E, 2I]` (gate then up
+        halves), `w2_bias` from `[E, H]` (whole).
+
+        Raises:
+            ValueError: a shape that does not fit.
+        """
+        if param is self.w13_bias:
+            i_p, rank = self.intermediate_size_per_partition, self.tp_rank
+            full_i = loaded_weight.shape[-1] // 2
+            loaded_weight = torch.cat([loaded_weight[..., rank * i_p:(rank + 1) * i_p],
+                                       loaded_weight[..., full_i + rank * i_p:full_i + (rank + 1) * i_p]], dim=-1)
+        if loaded_weight.shape != param.shape:
+            raise ValueError(f"Expert bias of shape {tuple(loaded_weight.shape)} does not fit parameter of shape "
+                             f"{tuple(param.shape)}.")
+        param.data.copy_(loaded_weight)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
         """Copy this rank's slice of a full checkpoint tensor into `param`.
@@ -202,15 +245,19 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.quant is None:
-            out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                self.activation)
-        elif hidden_states.is_cuda:
-            out = kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
-                                              topk_weights, topk_ids, self.activation)
-        else:  # the loader dequantizes CPU layers; this serves a layer built by hand
-            w13, w2 = (kernels.dequantize_weight(self.quant_tensors(p), hidden_states.dtype) for p in ("w13", "w2"))
-            out = fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation)
+        if self.quant is not None:  # int4/int8 experts (no expert biases in these checkpoints)
+            if hidden_states.is_cuda:
+                out = kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
+                                                  topk_weights, topk_ids, self.activation)
+            else:  # the loader dequantizes CPU layers; this serves a layer built by hand
+                w13, w2 = (kernels.dequantize_weight(self.quant_tensors(p), hidden_states.dtype) for p in ("w13", "w2"))
+                out = fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation)
+        else:
+            # Under TP the down bias joins on rank 0 only: the all-reduce sums the ranks' partial outputs.
+            w2_bias = self.w2_bias if self.tp_rank == 0 else None
+            w13, w2 = self.expert_weights()
+            out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias,
+                                w2_bias)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

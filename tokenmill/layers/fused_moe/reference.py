@@ -8,7 +8,9 @@ probabilities to sum to 1 (Mixtral always; Qwen3-MoE when
 
 Experts: expert e maps x -> w2[e] @ (act(w1[e] x) * (w3[e] x)), with
 `w13[e] = [w1[e]; w3[e]]` (gate rows first, then up rows). A token's output
-is the routing-weighted sum of its top-k experts' outputs.
+is the routing-weighted sum of its top-k experts' outputs. With biases
+(gpt-oss), each projection adds its expert's bias before the activation and
+before the routing weight: w2[e] @ act(w13[e] x + b13[e]) + b2[e].
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.moe_activation import act_and_mul
-
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +47,8 @@ def fused_experts_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert MLPs of every (token, expert) pair, grouped by expert, summed over top-k.
 
@@ -55,7 +58,9 @@ def fused_experts_reference(
         w2: [E, H, I].
         topk_weights: [T, k] routing weights (any float dtype).
         topk_ids: [T, k] integer expert ids in [0, E).
-        activation: "silu" (SwiGLU) or "gelu".
+        activation: "silu" (SwiGLU), "gelu" or "swigluoai" (`kernels.moe_activation`).
+        w13_bias: [E, 2 * I] or None; w2_bias: [E, H] or None (a TP rank other
+            than 0 passes None: its partial sums are all-reduced).
 
     Returns:
         [T, H] in hidden_states' dtype. Products are in the input dtype (as
@@ -76,7 +81,9 @@ def fused_experts_reference(
         pairs = order[start:start + count]
         start += count
         x = hidden_states.index_select(0, pairs // top_k)
-        y = F.linear(act_and_mul(F.linear(x, w13[expert]), activation), w2[expert])
+        b13 = w13_bias[expert] if w13_bias is not None else None
+        b2 = w2_bias[expert] if w2_bias is not None else None
+        y = F.linear(act_and_mul(F.linear(x, w13[expert], b13), activation), w2[expert], b2)
         out.index_copy_(0, pairs, y.float())
     out = out.view(num_tokens, top_k, hidden_size) * topk_weights.float().unsqueeze(-1)
     return out.sum(dim=1).to(hidden_states.dtype)
