@@ -158,24 +158,25 @@ def test_plan_thresholds_and_split_k():
     w = random_quant(8, 4096, 4, 128, True, False)  # planning reads shapes only
     w = w._replace(in_features=4096)
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
-    assert [plan(m, 4096, (9, 0)).path for m in (1, 4, 5, 16, 17, 1024, 1025)] == \
-        ["gemv", "gemv", "splitk", "splitk", "tiled", "tiled", "cublas"]
-    assert [plan(m, 4096, (7, 0)).path for m in (1, 4, 5, 8, 9, 300)] == \
-        ["gemv", "gemv", "splitk", "splitk", "cublas", "cublas"]
-    assert not plan(5, 4096, (7, 0)).use_dot and plan(5, 4096, (9, 0)).use_dot
-    assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(5, 4096, (7, 0)).num_stages == 1
-    assert plan(3, 4096, (9, 0)).block_m == 4  # the GEMV loops over a power of two of rows
-    gemv = plan(1, 4096, (9, 0))
+    # The thresholds of the H200 sweep (quant_linear.py's constants).
+    assert [plan(m, 4096, (9, 0)).path for m in (1, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
+        ["splitk", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
+    assert [plan(m, 4096, (7, 0)).path for m in (1, 2, 8, 300)] == ["gemv", "cublas", "cublas", "cublas"]
+    assert plan(5, 4096, (9, 0)).use_dot and plan(17, 4096, (9, 0)).block_m == 32
+    assert plan(1, 4096, (7, 0)).num_stages == 1
+    gemv = ql.plan_quant_linear(3, 4096, w, (9, 0), 132, gemv_m_max=4)
+    assert gemv.block_m == 4  # the GEMV loops over a power of two of rows
+    gemv = ql.plan_quant_linear(1, 4096, w, (9, 0), 132, gemv_m_max=4)
     assert gemv.split_k > 1 and (gemv.split_k - 1) * -(-32 // gemv.split_k) < 32  # 4096 / 128: 32 K tiles
     decode = plan(5, 4096, (9, 0))
     assert decode.split_k > 1 and decode.block_k == 128  # 64 N tiles alone would leave SMs idle
     k_tiles = 4096 // decode.block_k
     per = -(-k_tiles // decode.split_k)
     assert (decode.split_k - 1) * per < k_tiles  # no empty K slice
-    assert plan(5, 28672, (9, 0)).split_k == 1  # 448 N tiles fill the GPU
-    assert plan(64, 4096, (9, 0)).block_k == 128 and plan(300, 4096, (9, 0)).block_m == 128
+    assert plan(5, 28672, (9, 0)).split_k <= 2  # 224 N tiles of 128 nearly fill the GPU (the sweep: 2)
+    assert plan(64, 4096, (9, 0)).block_k == 128 and plan(64, 4096, (9, 0)).block_m == 64
     assert ql.plan_quant_linear(5, 4096, w._replace(bits=8), (9, 0), 132).block_k == 64  # 16 words of 4 values
-    assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132).block_k == 4 * ql.GEMV_BLOCK_KW
+    assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132, gemv_m_max=4).block_k == 4 * ql.GEMV_BLOCK_KW
 
 
 @pytest.mark.parametrize("bits,group_size,zeros,act_order", [

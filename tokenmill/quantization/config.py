@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 METHODS = ("awq", "gptq", "compressed-tensors")
 # vLLM's Marlin-kernel spellings: the same checkpoints, read by our kernels.
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+# Methods a model family reads itself from its hf_config (no int4/int8 layer walk): gpt-oss's MXFP4 experts
+# (`models/gpt_oss.py`, `layers/fused_moe/mxfp4.py`). `--quantization` may name them to confirm the checkpoint.
+MODEL_HANDLED = ("mxfp4",)
 # Files next to config.json that hold the config of older AutoGPTQ / AutoAWQ exports.
 CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -179,11 +182,12 @@ def resolve_quantization(raw: dict | None, cli: str | None) -> QuantizationConfi
     Args:
         raw: the checkpoint's raw config (`find_quantization_config`) or None.
         cli: `--quantization` / `LLM(quantization=...)`: None, "None"/"none"
-            (use the checkpoint's), "awq", "gptq", "compressed-tensors", or
+            (use the checkpoint's), "awq", "gptq", "compressed-tensors", "mxfp4", or
             vLLM's aliases "awq_marlin" / "gptq_marlin" (logged).
 
     Returns:
-        The parsed config, or None for an unquantized checkpoint without a flag.
+        The parsed config, or None for an unquantized checkpoint without a flag
+        and for a method the model reads itself (`MODEL_HANDLED`: gpt-oss's mxfp4).
 
     Raises:
         ValueError: an unknown method name; a method that disagrees with the
@@ -197,15 +201,21 @@ def resolve_quantization(raw: dict | None, cli: str | None) -> QuantizationConfi
             logger.info("--quantization %s is vLLM's Marlin spelling of %s; tokenmill reads the same "
                         "checkpoints with its own kernels.", cli, ALIASES[method])
             method = ALIASES[method]
-        if method not in METHODS:
+        if method not in METHODS + MODEL_HANDLED:
             raise ValueError(f"--quantization {cli!r} is not supported; use one of "
-                             f"{', '.join(METHODS)} (or awq_marlin / gptq_marlin), or leave it unset to "
-                             "use the checkpoint's.")
+                             f"{', '.join(METHODS + MODEL_HANDLED)} (or awq_marlin / gptq_marlin), or leave it "
+                             "unset to use the checkpoint's.")
     if raw is None:
         if method is not None:
             raise ValueError(f"--quantization {cli} was given but the checkpoint has no quantization config "
                              f"(no quantization_config in config.json, no {' / '.join(CONFIG_FILES)}); "
                              "tokenmill does not quantize weights at load. Leave the flag unset.")
+        return None
+    raw_method = str(raw.get("quant_method", "")).lower()
+    if raw_method in MODEL_HANDLED:  # the model reads it (gpt-oss MXFP4): nothing for the layer walk
+        if method is not None and method != raw_method:
+            raise ValueError(f"--quantization {cli} disagrees with the checkpoint, which is quantized with "
+                             f"{raw_method}; leave the flag unset or pass {raw_method}.")
         return None
     cfg = parse_quantization_config(raw)
     if method is not None and method != cfg.method:

@@ -104,6 +104,7 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.intermediate_size_per_partition = i_p = intermediate_size // self.tp_size
         dtype = torch.get_default_dtype()
+        self.quant: QuantScheme | None = None  # int4/int8 experts: set by `quantize`
         self.create_weights(num_experts, hidden_size, intermediate_size, dtype)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
@@ -130,7 +131,6 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.w13_input = InputShard(0, hidden_size, hidden_size)
         self.w2_input = InputShard(self.tp_rank * i_p, i_p, intermediate_size)
-        self.quant: QuantScheme | None = None  # set by `quantize`
 
     def quantize(self, scheme: QuantScheme) -> None:
         """Replace w13_weight / w2_weight by empty int4/int8 parameters (`w13_qweight`, ..., `w2_g_idx`).
