@@ -144,10 +144,11 @@ def test_expert_weights_shard_over_tp_and_partial_sums_add_up(monkeypatch):
 def test_swigluoai_biased_experts_triton_matches_reference_and_hf_formula():
     """gpt-oss experts: biases on both projections, clamped SwiGLU; Triton (biases around the unchanged
     grouped GEMM) vs the reference vs a per-token loop of transformers' formula."""
-    x, w13, w2, logits = _problem(9, 32, 16, 4, 2, seed=3)
+    device = "cuda" if CUDA else "cpu"  # Triton takes CUDA tensors on a GPU machine, CPU ones under the interpreter
+    x, w13, w2, logits = _problem(9, 32, 16, 4, 2, device=device, seed=3)
     x = x * 4  # push gate/up past the +-7 clamp for some rows
     g = torch.Generator().manual_seed(4)
-    b13, b2 = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    b13, b2 = torch.randn(4, 32, generator=g).to(device), torch.randn(4, 32, generator=g).to(device)
     w, ids = select_experts(logits, 2, True)
     ref = fused_experts_reference(x, w13, w2, w, ids, "swigluoai", b13, b2)
     expected = torch.zeros_like(x)
