@@ -208,3 +208,12 @@ def test_expert_shape_error_names_the_tensor(monkeypatch):
     moe.quantize(SCHEMES["int4-g16-zeros"])
     with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.scales"):
         moe_mod.load_expert_weight(_expert_params(moe), "m.experts.1.down_proj.scales", torch.ones(32, 3))
+
+
+def test_experts_with_biases_refuse_int4_quantization():
+    # gpt-oss experts carry biases; the quantized grouped kernel has no bias terms, so quantizing them
+    # (e.g. --load-format dummy --quantization gptq on a gpt-oss config) must fail, not drop the biases.
+    moe = moe_mod.FusedMoE(4, 2, 64, 128, renormalize=True, activation="swigluoai", has_bias=True)
+    with pytest.raises(ValueError, match="biases"):
+        moe.quantize(QuantScheme(4, 32, False, False))
+    assert moe.quant is None and moe.w13_weight is not None  # nothing was replaced

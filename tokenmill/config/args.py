@@ -32,7 +32,7 @@ class EngineArgs:
     download_dir: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    quantization: str | None = None  # awq | gptq | compressed-tensors (+ vLLM's aliases); None: the checkpoint's
+    quantization: str | None = None  # awq | gptq | compressed-tensors | mxfp4 (+ vLLM's aliases); None: the checkpoint's
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | list[str] | None = None  # several names: all accepted, the first reported
@@ -88,8 +88,9 @@ class EngineArgs:
                        help="auto: float32 on CPU (keeps small models' answers right), bfloat16 on GPUs with cc >= 8.0, "
                             "float16 below; AWQ and GPTQ checkpoints: float16 on GPUs (as vLLM).")
         g.add_argument("--quantization", "-q", default=None,
-                       help="awq, gptq or compressed-tensors (vLLM's awq_marlin / gptq_marlin are aliases): must "
-                            "match the checkpoint's quantization_config (default: the checkpoint's method).")
+                       help="awq, gptq or compressed-tensors (vLLM's awq_marlin / gptq_marlin are aliases), or mxfp4 "
+                            "(gpt-oss): must match the checkpoint's quantization_config (default: the "
+                            "checkpoint's method).")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--max-model-len", type=_int_or_size, default=None, help="Context length (default: the model's limit).")
         g.add_argument("--served-model-name", nargs="+", default=None,

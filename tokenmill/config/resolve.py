@@ -224,8 +224,8 @@ def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
     """
     if source.gguf_file is not None:
         if args.quantization is not None:
-            raise ValueError(f"--quantization {args.quantization} does not apply to a GGUF file (its quantized weights "
-                             "are dequantized at load); drop the flag.")
+            raise ValueError(f"--quantization {args.quantization} does not apply to a GGUF file (it carries its own "
+                             "quantization, read from the file); drop the flag.")
         return None
     from tokenmill.quantization import check_supported, find_quantization_config, resolve_quantization
     from tokenmill.quantization.config import ALIASES

@@ -74,7 +74,8 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--dtype", "auto, float32, float16/half, bfloat16; auto is float32 on CPU, bfloat16 on cc >= 8.0 GPUs, "
        "float16 below; AWQ and GPTQ checkpoints get float16 on every GPU (as vLLM).", ("--dtype", "half")),
     _i("--quantization", "awq, gptq, compressed-tensors (-q; awq_marlin / gptq_marlin are aliases): int4/int8 "
-       "weight-only checkpoints, detected from the checkpoint without the flag; a method that disagrees with the "
+       "weight-only checkpoints; mxfp4 confirms a gpt-oss MXFP4 checkpoint; detected from the checkpoint without "
+       "the flag; a method that disagrees with the "
        "checkpoint fails at start-up (docs/quantization.md).", ("--quantization", "awq")),
     _i("--seed", "Seed of the sampler's random generator.", ("--seed", "7")),
     _i("--max-model-len", "Context length (default: the model's).", ("--max-model-len", "512")),

@@ -142,8 +142,18 @@ def dequantize_layers(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of all parameters, bytes of the quantized tensors among them); tied weights counted once."""
+    """(bytes of all parameters, bytes of the quantized tensors among them); tied weights counted once.
+
+    GGUF weights kept as ggml blocks on the CPU (`layers/gguf_weights.GGUFWeight`, not parameters) count
+    as quantized bytes.
+    """
     total = quantized = 0
+    for module in model.modules():
+        for attr in ("weight", "gguf_weight"):
+            blocks = module.__dict__.get(attr)
+            if blocks is not None and not isinstance(blocks, torch.Tensor) and hasattr(blocks, "nbytes"):
+                total += blocks.nbytes
+                quantized += blocks.nbytes
     for param in model.parameters():
         size = param.numel() * param.element_size()
         total += size

@@ -120,8 +120,9 @@ class ModelRunner:
         GPU memory). The dummy step runs at the largest M the scheduler can
         send, so it takes the kernels' large-M path, which dequantizes one
         layer's weight into a temporary dense copy before cuBLAS
-        (`kernels.quant_linear`, `kernels.fused_experts_quant`): that
-        temporary is part of the measured peak, and the KV budget leaves room for it.
+        (`kernels.quant_linear`; the quantized fused MoE runs its grouped
+        kernel at every M): that temporary is part of the measured peak, and
+        the KV budget leaves room for it.
         """
         assert self.model is not None, "load_model() first"
         dev = self.device

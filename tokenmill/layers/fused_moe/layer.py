@@ -136,8 +136,12 @@ class FusedMoE(nn.Module):
         """Replace w13_weight / w2_weight by empty int4/int8 parameters (`w13_qweight`, ..., `w2_g_idx`).
 
         Raises:
-            ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word.
+            ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word, or the
+                experts have biases (the quantized kernel has none).
         """
+        if self.w13_bias is not None:
+            raise ValueError("int4/int8 quantization of experts with biases (gpt-oss) is not supported: the quantized "
+                             "fused-MoE kernel has no bias terms; serve the checkpoint's own (MXFP4 or bf16) weights.")
         e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
         self.params_dtype, dtype = self.w13_weight.dtype, scale_dtype(self.w13_weight)
         parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
