@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(
     import re
     import triton
     from triton.backends.compiler import GPUTarget
-    from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_splitk_reduce_kernel, fp8_dequantize_kernel
+    from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_dequantize_kernel
+    from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fp8_quant import quantize_fp8_kernel
 
     def sig_of(kernel, pointers, constexprs):
@@ -69,7 +70,7 @@ SCRIPT = textwrap.dedent(
     ptrs, cx = gemm("*fp16", "*u8", "*fp16", False, 0, 2, True, 16, 64, 128)
     results.append(build("w8a16_dot_channel", fp8_matmul_kernel, 70, ptrs, cx))
     cx = dict(SPLIT_K=4, HAS_BIAS=True, CLAMP_FP16=True, ROUND=1, BLOCK=1024)
-    results.append(build("splitk_reduce", fp8_splitk_reduce_kernel, 70,
+    results.append(build("splitk_reduce", splitk_reduce_kernel, 70,
                          dict(partial_ptr="*fp32", bias_ptr="*fp16", out_ptr="*fp16"), cx))
     cx = dict(B_SCALE=3, ROUND=1, BLOCK_N=32, BLOCK_K=64)
     results.append(build("dequantize_block", fp8_dequantize_kernel, 70,

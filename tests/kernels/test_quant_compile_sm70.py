@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from tokenmill.kernels.triton.quant_linear import (dequantize_kernel, quant_gemv_kernel, quant_matmul_kernel,
-                                                        splitk_reduce_kernel)
+    from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_gemv_kernel, quant_matmul_kernel
+    from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
 
     def compile_one(name, kernel, cc, ptrs, cx, warps, stages):
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(
     results.append(compile_one("gemv_m2_int8", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
                                gemv_cx(8, 1, True, 2, 16, 32, True), 4, 1))
     results.append(compile_one("splitk_reduce", splitk_reduce_kernel, 70, {"partial_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16"},
-                               dict(SPLIT_K=8, HAS_BIAS=True, CLAMP_FP16=True, BLOCK=1024), 4, 1))
+                               dict(SPLIT_K=8, HAS_BIAS=True, CLAMP_FP16=True, ROUND=0, BLOCK=1024), 4, 1))
     deq_ptrs = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "out_ptr": "*fp16"}
     results.append(compile_one("dequantize", dequantize_kernel, 70, deq_ptrs,
                                dict(BITS=4, HAS_ZEROS=True, GROUP_MODE=0, BLOCK_N=32, BLOCK_K=64), 4, 1))

@@ -33,8 +33,8 @@ from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.quant_pack import QuantTensors
 from tokenmill.kernels.triton.fused_moe import moe_align_block_size
 from tokenmill.kernels.triton import quant_linear as _ql
-from tokenmill.kernels.triton.quant_linear import (_accumulate_tile, block_k_for, check_quant_tensors, device_facts,
-                                                    kernel_groups)
+from tokenmill.kernels.triton.quant_linear import _accumulate_tile, block_k_for, check_quant_tensors, kernel_groups
+from tokenmill.kernels.triton.splitk import device_facts
 
 
 @triton.jit

@@ -60,7 +60,6 @@ becoming inf and poisoning the next layer). A dequantized weight is at most
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +68,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+from tokenmill.kernels.triton.splitk import device_facts, splitk_reduce_kernel
 
 FP16_MAX = 65504.0
 
@@ -306,22 +306,6 @@ def quant_matmul_kernel(
 
 
 @triton.jit
-def splitk_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         CLAMP_FP16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum_s partial[s, m, n] (+ bias[n]), float32 sum in a fixed order, cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(partial_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    if CLAMP_FP16:
-        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def quant_gemv_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32
     qw_ptr,  # int32 [N, ceil(K / p)]
@@ -487,21 +471,6 @@ def kernel_groups(w: QuantTensors, block_k: int, packed_groups: bool = True) -> 
     return 2, g, g_idx
 
 
-@functools.cache
-def _device_facts(index: int) -> tuple[tuple[int, int], int]:
-    from tokenmill.platforms.cuda import effective_capability, force_cc70_requested
-
-    cap = effective_capability(torch.cuda.get_device_capability(index), force_cc70_requested())
-    return cap, torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
-    """(effective compute capability, SM count) of `device`; off CUDA (the Triton interpreter) (9, 0) and 132."""
-    if device.type != "cuda":
-        return (9, 0), 132
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @dataclass(frozen=True)
 class QuantLinearPlan:
     """How `quant_linear` computes one call, and its launch settings.
@@ -653,7 +622,7 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
         block = 1024
         splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             target, bias if bias is not None else out, out, m * n, n,
-            SPLIT_K=plan.split_k, HAS_BIAS=bias is not None, CLAMP_FP16=clamp, BLOCK=block, num_warps=4,
+            SPLIT_K=plan.split_k, HAS_BIAS=bias is not None, CLAMP_FP16=clamp, ROUND=0, BLOCK=block, num_warps=4,
         )
     return out
 
