@@ -237,6 +237,27 @@ def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s
 
 
 @triton.jit
+def _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, cols, offs_n, n_mask, mask, stride_os, stride_om, stride_on,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, CLAMP_FP16: tl.constexpr):
+    """Store the transposed output tile acc^T [BLOCK_N, R] (float32) at out[rows, cols] under `mask`.
+
+    PARTIAL: the float32 partial of K slice pid_k at out[pid_k, rows, cols] (summed by
+    `splitk.splitk_reduce_kernel`); else + bias[offs_n] (HAS_BIAS), saturated at +-65504 (CLAMP_FP16) and cast
+    to out's dtype. `cols` are the output columns offs_n as the caller indexes out (int32 or int64).
+    """
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + cols[:, None] * stride_on, acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if CLAMP_FP16:
+            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+        tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def quant_matmul_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32
     qw_ptr,  # int32 [N, ceil(K / p)]
@@ -292,17 +313,8 @@ def quant_matmul_kernel(
                                offs_n, n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
                                stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K,
                                ONE_DOT)
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, acc,
-                 mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if CLAMP_FP16:
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
+                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
 
 @triton.jit
@@ -387,17 +399,8 @@ def quant_gemv_kernel(
                 part = s * (part - z * tl.sum(tl.sum(xt, axis=1), axis=0))
             acc += tl.where(rows[None, :] == mi, part[:, None], 0.0)
     m_mask = rows < M
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + offs_n64[:, None] * stride_on, acc,
-                 mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if CLAMP_FP16:
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + rows[None, :] * stride_om + offs_n64[:, None] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, offs_n64, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
+                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
 
 @triton.jit
