@@ -50,7 +50,7 @@ import triton.language as tl
 from tokenmill.kernels.fp8 import Fp8Weight, fp8_bits, weight_scheme
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, quantize_fp8_triton
 from tokenmill.kernels.triton.numerics import round_code, round_to, use_libdevice
-from tokenmill.kernels.triton.splitk import device_facts, splitk_reduce_kernel
+from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
 
 FP16_MAX = 65504.0
 SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
@@ -88,23 +88,12 @@ def fp8_matmul_kernel(
     BLOCK_K: tl.constexpr,  # divides scale_block_k when a scale varies along K
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles sweep the column tiles together, so weight tiles are reused from L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(k_start, k_end):
         k0 = kt * BLOCK_K

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
-from tokenmill.kernels.triton.splitk import device_facts, splitk_reduce_kernel
+from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
 
 FP16_MAX = 65504.0
 
@@ -289,24 +289,13 @@ def quant_matmul_kernel(
     weight tile stays in registers as the dot's A operand (no transpose of the big tile) and the few rows
     of x go to the B side ("swap AB" for small M).
     """
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M M-tiles walk the N tiles together, so a weight tile is reused from L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     offs_m = offs_m.to(tl.int64)  # row offsets of x / out may pass 2^31 elements at large M
     n_mask = offs_n < N
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
         acc = _accumulate_tile(acc, x_ptr, offs_m, m_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr,
@@ -351,15 +340,13 @@ def quant_gemv_kernel(
     P: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * P
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_n64 = offs_n.to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     kw_total = tl.cdiv(K, P)
     shifts = tl.arange(0, P) * BITS
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
         offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)

@@ -1,5 +1,5 @@
-"""What the split-K GEMM kernels (`quant_linear.py`, `fp8_gemm.py`) share: the reduction of their float32
-partials and the device facts their planners size the split by.
+"""What the split-K GEMM kernels (`quant_linear.py`, `fp8_gemm.py`) share: their program -> (tile, K slice)
+mapping, the reduction of their float32 partials and the device facts their planners size the split by.
 
 Split-K writes float32 partials [SPLIT_K, M, N]; `splitk_reduce_kernel` sums them in a fixed order
 (+ bias, cast): no atomics, deterministic, no host sync.
@@ -14,6 +14,33 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.numerics import round_to
+
+
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): the output tile of program_id(0) in grouped order.
+
+    GROUP_M row tiles sweep the column tiles together, so a weight tile is reused from L2 by the row tiles
+    of its group.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def k_slice(K, k_tiles_per_split, BLOCK_K: tl.constexpr):
+    """(pid_k, k_start, k_end): program_id(1)'s K slice, K tiles [k_start, k_end) of BLOCK_K columns each."""
+    pid_k = tl.program_id(1)
+    k_start = pid_k * k_tiles_per_split
+    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+    return pid_k, k_start, k_end
 
 
 @triton.jit
