@@ -11,16 +11,10 @@ operands (`mma.sync` on sm_89, `wgmma` on sm_90a for 128-row tiles), and the act
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
+from compile_helpers import compile_in_subprocess
 from optional_deps import require
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -94,12 +88,7 @@ SCRIPT = textwrap.dedent(
 
 def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
     require("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(SCRIPT)
     per_cc = ["w8a8_block", "w8a8_channel_splitk", "quantize_group128", "quantize_token"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("w8a16_fma_block", 70), ("w8a16_dot_channel", 70), ("splitk_reduce", 70), ("dequantize_block", 70),

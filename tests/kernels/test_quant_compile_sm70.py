@@ -12,17 +12,11 @@ wheel) checks that none of them spills registers.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from compile_helpers import compile_in_subprocess
 from optional_deps import require
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -112,12 +106,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     require("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(SCRIPT)
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
         ("gemv_m4_perword", 70), ("gemv_m4_actorder", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
