@@ -97,7 +97,8 @@ def random_w4(n: int, k: int, dtype: torch.dtype, experts: int | None = None):
 
 
 def dense_rows(dtype: torch.dtype, ms=MS) -> list[dict]:
-    from tokenmill.kernels.triton.quant_linear import device_facts, plan_quant_linear, quant_linear
+    from tokenmill.kernels.triton.quant_linear import plan_quant_linear, quant_linear
+    from tokenmill.kernels.triton.splitk import device_facts
 
     cap, sms = device_facts(torch.device("cuda"))
     rows = []

@@ -146,7 +146,8 @@ def make_plan(cfg: dict, m: int, n: int, k: int, sms: int):
 
 
 def dense_call(x, w, cfg):
-    from tokenmill.kernels.triton.quant_linear import device_facts, quant_linear
+    from tokenmill.kernels.triton.quant_linear import quant_linear
+    from tokenmill.kernels.triton.splitk import device_facts
 
     _, sms = device_facts(x.device)
     return quant_linear(x, w, plan=make_plan(cfg, x.shape[0], w.qweight.shape[0], w.in_features, sms))
@@ -210,7 +211,7 @@ def compile_key(kind: str, key: str, m: int, cfg: dict, sms: int) -> tuple:
 
 def warm_all(tasks: list[tuple], jobs: int) -> set:
     """Compile every distinct variant of `tasks` in `jobs` processes; returns the set of failed task indices."""
-    from tokenmill.kernels.triton.quant_linear import device_facts
+    from tokenmill.kernels.triton.splitk import device_facts
 
     _, sms = device_facts(torch.device("cuda"))
     reps: dict = {}
@@ -279,7 +280,8 @@ def cfg_label(cfg: dict) -> str:
 
 
 def sweep_dense(ms, dtype, cc70: bool, jobs: int, shapes) -> list[dict]:
-    from tokenmill.kernels.triton.quant_linear import dequantize_weight, device_facts, plan_quant_linear
+    from tokenmill.kernels.triton.quant_linear import dequantize_weight, plan_quant_linear
+    from tokenmill.kernels.triton.splitk import device_facts
 
     cap, sms = device_facts(torch.device("cuda"))
     tasks = [("dense", name, m, cfg, str(dtype).split(".")[-1]) for name in shapes for m in ms

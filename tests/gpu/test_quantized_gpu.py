@@ -9,14 +9,13 @@ kernels) and on the CPU (dequantized at load), greedy tokens equal up to near-ti
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from quantized_folders import dummy_quantized_folder
 from transformers import Qwen3MoeConfig
 
 from tokenmill import LLM, SamplingParams, kernels
@@ -31,17 +30,11 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "
 
 
 def _folder(tmp_path, quantization_config: dict) -> str:
-    Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                   num_experts_per_tok=2, max_position_embeddings=512, architectures=["Qwen3MoeForCausalLM"],
-                   ).save_pretrained(tmp_path)
-    path = os.path.join(tmp_path, "config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    raw["quantization_config"] = quantization_config
-    with open(path, "w") as f:
-        json.dump(raw, f)
-    return str(tmp_path)
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                            architectures=["Qwen3MoeForCausalLM"])
+    return dummy_quantized_folder(tmp_path, config, quantization_config)
 
 
 @pytest.mark.parametrize("quant", [GPTQ, AWQ], ids=["gptq-actorder", "awq"])

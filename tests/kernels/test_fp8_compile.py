@@ -11,16 +11,10 @@ operands (`mma.sync` on sm_89, `wgmma` on sm_90a for 128-row tiles), and the act
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
+from compile_helpers import compile_in_subprocess
 from optional_deps import require
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -28,7 +22,8 @@ SCRIPT = textwrap.dedent(
     import re
     import triton
     from triton.backends.compiler import GPUTarget
-    from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_splitk_reduce_kernel, fp8_dequantize_kernel
+    from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_dequantize_kernel
+    from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fp8_quant import quantize_fp8_kernel
 
     def sig_of(kernel, pointers, constexprs):
@@ -69,7 +64,7 @@ SCRIPT = textwrap.dedent(
     ptrs, cx = gemm("*fp16", "*u8", "*fp16", False, 0, 2, True, 16, 64, 128)
     results.append(build("w8a16_dot_channel", fp8_matmul_kernel, 70, ptrs, cx))
     cx = dict(SPLIT_K=4, HAS_BIAS=True, CLAMP_FP16=True, ROUND=1, BLOCK=1024)
-    results.append(build("splitk_reduce", fp8_splitk_reduce_kernel, 70,
+    results.append(build("splitk_reduce", splitk_reduce_kernel, 70,
                          dict(partial_ptr="*fp32", bias_ptr="*fp16", out_ptr="*fp16"), cx))
     cx = dict(B_SCALE=3, ROUND=1, BLOCK_N=32, BLOCK_K=64)
     results.append(build("dequantize_block", fp8_dequantize_kernel, 70,
@@ -93,12 +88,7 @@ SCRIPT = textwrap.dedent(
 
 def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
     require("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(SCRIPT)
     per_cc = ["w8a8_block", "w8a8_channel_splitk", "quantize_group128", "quantize_token"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("w8a16_fma_block", 70), ("w8a16_dot_channel", 70), ("splitk_reduce", 70), ("dequantize_block", 70),

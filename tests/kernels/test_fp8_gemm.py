@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import fp8
-from tokenmill.kernels.triton import fp8_gemm
+from tokenmill.kernels.triton import fp8_gemm, splitk
 from tokenmill.kernels.triton.fp8_quant import quantize_fp8_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -244,9 +244,9 @@ def test_gpu_forced_cc70_takes_the_weight_only_paths(monkeypatch):
     from tokenmill import kernels
 
     monkeypatch.setenv("TOKENMILL_FORCE_CC70", "1")
-    fp8_gemm._device_facts.cache_clear()
+    splitk._device_facts.cache_clear()
     try:
-        assert fp8_gemm.device_facts(torch.device("cuda"))[0] == (7, 0)
+        assert splitk.device_facts(torch.device("cuda"))[0] == (7, 0)
         w = to(make_weight(4096, 4096, "block"), "cuda")
         for m in (1, 8, 64):
             x = torch.randn(2, m, 4096, dtype=torch.float16, device="cuda")
@@ -255,4 +255,4 @@ def test_gpu_forced_cc70_takes_the_weight_only_paths(monkeypatch):
             assert_gemm_close(y.reshape(-1, 4096), x.reshape(-1, 4096), w, None, False,
                               2.0 ** -11 if 2 * m > fp8_gemm.SMALL_M_MAX_CC70 else 2.0 ** -12)
     finally:
-        fp8_gemm._device_facts.cache_clear()
+        splitk._device_facts.cache_clear()

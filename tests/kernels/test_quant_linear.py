@@ -16,6 +16,7 @@ from quant_helpers import column_shard, dense, random_quant, row_shard
 
 from tokenmill.kernels.quant_pack import QuantTensors
 from tokenmill.kernels.triton import quant_linear as ql
+from tokenmill.kernels.triton import splitk
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -286,13 +287,13 @@ def test_gpu_real_sizes_every_path(dtype, n, k, bits, group_size, zeros, act_ord
 @pytest.mark.gpu
 def test_gpu_force_cc70_env_takes_the_cc70_plan(monkeypatch):
     monkeypatch.setenv("TOKENMILL_FORCE_CC70", "1")
-    ql._device_facts.cache_clear()
+    splitk._device_facts.cache_clear()
     try:
-        cap, _ = ql.device_facts(torch.device("cuda"))
+        cap, _ = splitk.device_facts(torch.device("cuda"))
         assert cap == (7, 0)
     finally:
         monkeypatch.delenv("TOKENMILL_FORCE_CC70")
-        ql._device_facts.cache_clear()
+        splitk._device_facts.cache_clear()
 
 
 @pytest.mark.gpu

@@ -9,16 +9,10 @@ that cannot be compiled).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
+from compile_helpers import compile_in_subprocess
 from optional_deps import require
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -118,11 +112,7 @@ SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     require("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=False, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(SCRIPT, timeout=300)
     elementwise = ["rms_norm_add_d4096", "rms_norm_gemma_heads_d128", "rotary_neox_d128", "rotary_gptj_partial_d80",
                    "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [

@@ -6,12 +6,11 @@ these tests use names and configs only (no checkpoint tensors), tiny models.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import pytest
 import torch
+from quantized_folders import dummy_quantized_folder
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from tokenmill.config import EngineArgs
@@ -83,22 +82,11 @@ def test_walk_refuses_a_quantized_lm_head():
         quantize_layers(model, parse_quantization_config(GPTQ), _checkpoint_modules(2) | {"lm_head"})
 
 
-def _dummy_folder(tmp_path, config, quantization_config: dict) -> str:
-    config.save_pretrained(tmp_path)
-    path = os.path.join(tmp_path, "config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    raw["quantization_config"] = quantization_config
-    with open(path, "w") as f:
-        json.dump(raw, f)
-    return str(tmp_path)
-
-
 @pytest.mark.parametrize("quant", [GPTQ, AWQ], ids=["gptq-actorder", "awq"])
 def test_dummy_load_with_a_quantization_config(tmp_path, caplog, quant):
     from tokenmill.model_loader import get_model
 
-    folder = _dummy_folder(tmp_path, _moe_config(), quant)
+    folder = dummy_quantized_folder(tmp_path, _moe_config(), quant)
     cfg = EngineArgs(model=folder, load_format="dummy", skip_tokenizer_init=True).create_engine_config()
     assert cfg.model_config.quantization.method == quant["quant_method"]
     with caplog.at_level(logging.INFO, logger="tokenmill.model_loader.loader"):
@@ -168,7 +156,7 @@ def test_start_up_refuses_a_gpu_the_kernels_cannot_run(tmp_path):
     from tokenmill.config.resolve import _resolve_quantization
     from tokenmill.model_loader.source import ModelSource
 
-    folder = _dummy_folder(tmp_path, _llama_config(), GPTQ)
+    folder = dummy_quantized_folder(tmp_path, _llama_config(), GPTQ)
     args = EngineArgs(model=folder)
     hf_config = _llama_config()
     hf_config.quantization_config = GPTQ
@@ -178,7 +166,7 @@ def test_start_up_refuses_a_gpu_the_kernels_cannot_run(tmp_path):
 
 
 def test_quantization_flag_must_agree_with_the_checkpoint(tmp_path):
-    folder = _dummy_folder(tmp_path, _llama_config(), GPTQ)
+    folder = dummy_quantized_folder(tmp_path, _llama_config(), GPTQ)
     with pytest.raises(ValueError, match="awq"):
         EngineArgs(model=folder, load_format="dummy", skip_tokenizer_init=True,
                    quantization="awq").create_engine_config()

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from family_utils import batch_prefill_logits, compare_greedy, hf_greedy, hf_logits
+from torch_threads import one_torch_thread
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
@@ -67,10 +68,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny models: intra-op threads cost more than they save (and 2 cores are shared)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with one_torch_thread():
+        yield
 
 
 def _prompts(seed: int) -> list[list[int]]:

@@ -26,6 +26,7 @@ import torch
 import transformers
 from family_utils import batch_prefill_logits, compare_greedy, hf_greedy, hf_logits, hf_teacher_forced
 from safetensors.torch import save_file
+from torch_threads import one_torch_thread
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
@@ -54,10 +55,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with one_torch_thread():
+        yield
 
 
 def _expert_linear(hf_param: torch.Tensor) -> torch.Tensor:

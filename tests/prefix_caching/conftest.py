@@ -9,14 +9,13 @@ count, so comparisons stay exact.
 from __future__ import annotations
 
 import pytest
+from torch_threads import one_torch_thread
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="package", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread():
+    with one_torch_thread():
+        yield
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from checkpoints import save_tiny_hf_model
+from torch_threads import one_torch_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny tensors: intra-op threads cost more than they save (and the CPU cores are shared)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -54,34 +54,6 @@ def row_bytes(qtype_name: str, row_len: int) -> int:
     return row_len // per_block * nbytes
 
 
-def fast_dequantize(raw: np.ndarray, qtype_name: str) -> np.ndarray | None:
-    """float32 weights [n_blocks * 32] (a new writable array) from raw uint8 block data; None for other types.
-
-    `raw`: uint8 array of whole blocks (any shape), e.g. `GGUFFile.tensor_data(info)`.
-    """
-    block_bytes = _BLOCK_BYTES.get(qtype_name)
-    if block_bytes is None:
-        return None
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)  # [n_blocks, 1]
-    if qtype_name == "Q8_0":
-        out[:] = blocks[:, 2:].view(np.int8)
-        out *= d
-        return out.reshape(-1)
-    qs = blocks[:, 4:] if qtype_name == "Q4_1" else blocks[:, 2:]
-    np.bitwise_and(qs, 0x0F, out=out[:, :16], casting="unsafe")
-    np.right_shift(qs, 4, out=out[:, 16:], casting="unsafe")
-    if qtype_name == "Q4_0":
-        out -= 8.0
-        out *= d
-    else:
-        out *= d
-        out += np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
-    return out.reshape(-1)
-
-
-
 def _configure(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.gguf_matmul.argtypes = [ptr, i64, c_int, i64, i64, ptr, i64, i64, ptr, i64, c_int, c_int]

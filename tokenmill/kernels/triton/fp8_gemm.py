@@ -27,7 +27,7 @@ fp8 wgmma accumulate the whole K loop in its reduced-precision (~14-bit) accumul
 BLOCK_K-deep (128) partial product is added into float32 (DeepSeek-V3's promotion interval). `_scaled_mm`
 runs with use_fast_accum=False (cuBLAS promotes likewise).
 
-Split-K writes float32 partials [SPLIT_K, M, N] that `fp8_splitk_reduce_kernel` sums in a fixed order
+Split-K writes float32 partials [SPLIT_K, M, N] that `splitk.splitk_reduce_kernel` sums in a fixed order
 (+ bias, cast): no atomics, deterministic, no host sync. float16 outputs saturate at +-65504.
 Products are accumulated in float32 everywhere.
 
@@ -40,7 +40,6 @@ and the compiled fp8 `tl.dot` (needs cc >= 8.9).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,7 @@ import triton.language as tl
 from tokenmill.kernels.fp8 import Fp8Weight, fp8_bits, weight_scheme
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, quantize_fp8_triton
 from tokenmill.kernels.triton.numerics import round_code, round_to, use_libdevice
+from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
 
 FP16_MAX = 65504.0
 SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
@@ -88,23 +88,12 @@ def fp8_matmul_kernel(
     BLOCK_K: tl.constexpr,  # divides scale_block_k when a scale varies along K
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles sweep the column tiles together, so weight tiles are reused from L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(k_start, k_end):
         k0 = kt * BLOCK_K
@@ -160,22 +149,6 @@ def fp8_matmul_kernel(
 
 
 @triton.jit
-def fp8_splitk_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             CLAMP_FP16: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum over s of partial[s, m, n] in order s = 0, 1, ... (+ bias[n]), cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(partial_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    if CLAMP_FP16:
-        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    tl.store(out_ptr + offs, round_to(acc, ROUND).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def fp8_dequantize_kernel(b_ptr, scale_ptr, out_ptr, N, K, scale_block_n, scale_block_k,
                           stride_bn, stride_bk, stride_sn, stride_sk, stride_on, stride_ok,
                           B_SCALE: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -198,21 +171,6 @@ def fp8_dequantize_kernel(b_ptr, scale_ptr, out_ptr, N, K, scale_block_n, scale_
 
 # ---------------------------------------------------------------------------------------------------------
 # Host side
-
-
-@functools.cache
-def _device_facts(index: int) -> tuple[tuple[int, int], int]:
-    from tokenmill.platforms.cuda import effective_capability, force_cc70_requested
-
-    cap = effective_capability(torch.cuda.get_device_capability(index), force_cc70_requested())
-    return cap, torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
-    """(effective compute capability, SM count) of `device`; off CUDA (the interpreter) (9, 0) and 132 (H200)."""
-    if device.type != "cuda":
-        return (9, 0), 132
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
@@ -324,7 +282,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None, a_mo
     )
     if partial:
         block = 1024
-        fp8_splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             target, bias if bias is not None else out, out, m * n, n,
             SPLIT_K=plan.split_k, HAS_BIAS=bias is not None, CLAMP_FP16=clamp,
             ROUND=round_code(out_dtype), BLOCK=block, num_warps=4,

@@ -30,6 +30,22 @@ from tokenmill.kernels.moe_activation import act_and_mul
 
 
 @triton.jit
+def tile_pairs(sorted_pair_ids_ptr, tile_expert_ids_ptr, pid_m, num_pairs, TOP_K_DIV: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """The pairs of sorted tile pid_m (`moe_align_block_size`'s layout) and where their rows come from.
+
+    Returns (pair_ids int64 [BLOCK_M], pair_mask [BLOCK_M] (False on padding), expert int64 (the tile's),
+    a_rows [BLOCK_M]: the A row of each pair, pair // TOP_K_DIV, 0 on padding).
+    """
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
+    pair_mask = pair_ids < num_pairs
+    expert = tl.load(tile_expert_ids_ptr + pid_m).to(tl.int64)
+    a_rows = tl.where(pair_mask, pair_ids // TOP_K_DIV, 0)
+    return pair_ids, pair_mask, expert, a_rows
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]
     b_ptr,  # [E, N, K] expert weights (nn.Linear layout)
@@ -60,11 +76,8 @@ def grouped_gemm_kernel(
     # Tiles past the padded total exist only because the grid is sized statically.
     if pid_m * BLOCK_M >= tl.load(num_pairs_post_padded_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
-    pair_mask = pair_ids < num_pairs
-    expert = tl.load(tile_expert_ids_ptr + pid_m).to(tl.int64)
-    a_rows = tl.where(pair_mask, pair_ids // TOP_K_DIV, 0)
+    pair_ids, pair_mask, expert, a_rows = tile_pairs(sorted_pair_ids_ptr, tile_expert_ids_ptr, pid_m, num_pairs,
+                                                     TOP_K_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

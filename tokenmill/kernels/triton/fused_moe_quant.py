@@ -31,10 +31,10 @@ import triton.language as tl
 
 from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.quant_pack import QuantTensors
-from tokenmill.kernels.triton.fused_moe import moe_align_block_size
+from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
 from tokenmill.kernels.triton import quant_linear as _ql
-from tokenmill.kernels.triton.quant_linear import (_accumulate_tile, block_k_for, check_quant_tensors, device_facts,
-                                                    kernel_groups)
+from tokenmill.kernels.triton.quant_linear import _accumulate_tile, block_k_for, check_quant_tensors, kernel_groups
+from tokenmill.kernels.triton.splitk import device_facts
 
 
 @triton.jit
@@ -70,11 +70,8 @@ def grouped_quant_gemm_kernel(
     # Tiles past the padded total exist only because the grid is sized statically.
     if pid_m * BLOCK_M >= tl.load(num_pairs_post_padded_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
-    pair_mask = pair_ids < num_pairs
-    expert = tl.load(tile_expert_ids_ptr + pid_m).to(tl.int64)
-    a_rows = tl.where(pair_mask, pair_ids // TOP_K_DIV, 0)
+    pair_ids, pair_mask, expert, a_rows = tile_pairs(sorted_pair_ids_ptr, tile_expert_ids_ptr, pid_m, num_pairs,
+                                                     TOP_K_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     qw_e = qw_ptr + expert * stride_qe

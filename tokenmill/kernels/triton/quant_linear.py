@@ -60,7 +60,6 @@ becoming inf and poisoning the next layer). A dequantized weight is at most
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +68,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
 
 FP16_MAX = 65504.0
 
@@ -237,6 +237,27 @@ def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s
 
 
 @triton.jit
+def _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, cols, offs_n, n_mask, mask, stride_os, stride_om, stride_on,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, CLAMP_FP16: tl.constexpr):
+    """Store the transposed output tile acc^T [BLOCK_N, R] (float32) at out[rows, cols] under `mask`.
+
+    PARTIAL: the float32 partial of K slice pid_k at out[pid_k, rows, cols] (summed by
+    `splitk.splitk_reduce_kernel`); else + bias[offs_n] (HAS_BIAS), saturated at +-65504 (CLAMP_FP16) and cast
+    to out's dtype. `cols` are the output columns offs_n as the caller indexes out (int32 or int64).
+    """
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + cols[:, None] * stride_on, acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if CLAMP_FP16:
+            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+        tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def quant_matmul_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32
     qw_ptr,  # int32 [N, ceil(K / p)]
@@ -268,57 +289,21 @@ def quant_matmul_kernel(
     weight tile stays in registers as the dot's A operand (no transpose of the big tile) and the few rows
     of x go to the B side ("swap AB" for small M).
     """
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M M-tiles walk the N tiles together, so a weight tile is reused from L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     offs_m = offs_m.to(tl.int64)  # row offsets of x / out may pass 2^31 elements at large M
     n_mask = offs_n < N
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
         acc = _accumulate_tile(acc, x_ptr, offs_m, m_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, g_ptr,
                                offs_n, n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
                                stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K,
                                ONE_DOT)
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, acc,
-                 mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if CLAMP_FP16:
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def splitk_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         CLAMP_FP16: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum_s partial[s, m, n] (+ bias[n]), float32 sum in a fixed order, cast to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(partial_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    if CLAMP_FP16:
-        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
+                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
 
 @triton.jit
@@ -355,15 +340,13 @@ def quant_gemv_kernel(
     P: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * P
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_n64 = offs_n.to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     kw_total = tl.cdiv(K, P)
     shifts = tl.arange(0, P) * BITS
-    k_start = pid_k * k_tiles_per_split
-    k_end = tl.minimum(k_start + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
         offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
@@ -403,17 +386,8 @@ def quant_gemv_kernel(
                 part = s * (part - z * tl.sum(tl.sum(xt, axis=1), axis=0))
             acc += tl.where(rows[None, :] == mi, part[:, None], 0.0)
     m_mask = rows < M
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + offs_n64[:, None] * stride_on, acc,
-                 mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if CLAMP_FP16:
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + rows[None, :] * stride_om + offs_n64[:, None] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, offs_n64, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
+                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
 
 @triton.jit
@@ -485,21 +459,6 @@ def kernel_groups(w: QuantTensors, block_k: int, packed_groups: bool = True) -> 
     lead = w.qweight.shape[:-2]
     g_idx = (torch.arange(k, device=w.qweight.device, dtype=torch.int32) // g).expand(*lead, k)
     return 2, g, g_idx
-
-
-@functools.cache
-def _device_facts(index: int) -> tuple[tuple[int, int], int]:
-    from tokenmill.platforms.cuda import effective_capability, force_cc70_requested
-
-    cap = effective_capability(torch.cuda.get_device_capability(index), force_cc70_requested())
-    return cap, torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
-    """(effective compute capability, SM count) of `device`; off CUDA (the Triton interpreter) (9, 0) and 132."""
-    if device.type != "cuda":
-        return (9, 0), 132
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
@@ -653,7 +612,7 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
         block = 1024
         splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             target, bias if bias is not None else out, out, m * n, n,
-            SPLIT_K=plan.split_k, HAS_BIAS=bias is not None, CLAMP_FP16=clamp, BLOCK=block, num_warps=4,
+            SPLIT_K=plan.split_k, HAS_BIAS=bias is not None, CLAMP_FP16=clamp, ROUND=0, BLOCK=block, num_warps=4,
         )
     return out
 
