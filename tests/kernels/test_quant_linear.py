@@ -23,7 +23,8 @@ DEV = "cuda" if CUDA else "cpu"
 
 # Keyword overrides that force each path on tiny shapes (M <= 40 below).
 PATHS = {
-    "gemv": dict(gemv_m_max=64),
+    # The GEMV kernel serves M = 1 on cc < 8.0 only (the H200 sweep: split-K won every M on cc 9.0), so the
+    # matrix runs it under the cc-7.0 plan; test_gemv_rows_one_to_four covers its row and group cases.
     "gemv_cc70": dict(gemv_m_max=64, capability=(7, 0)),
     "splitk": dict(small_m_max=64, gemv_m_max=0),
     "splitk_cc70": dict(small_m_max=64, gemv_m_max=0, capability=(7, 0)),
@@ -83,7 +84,7 @@ def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
         _check(ql.quant_linear(x, w, large_m_min=256, capability=(9, 0)), x, w)
 
 
-@pytest.mark.parametrize("path", ["gemv", "splitk", "splitk_cc70", "tiled", "cublas_cc70"])
+@pytest.mark.parametrize("path", ["gemv_cc70", "splitk", "splitk_cc70", "tiled", "cublas_cc70"])
 def test_k_not_a_multiple_of_the_pack_factor(nan_outputs, path):
     # K = 45 with 4-bit: the last word carries 5 values and 3 zero nibbles; group 32 leaves a short last group.
     w = random_quant(19, 45, 4, 32, True, False, device=DEV, seed=3)
@@ -184,7 +185,7 @@ def test_plan_thresholds_and_split_k():
     (4, 32, True, False), (4, 64, False, False), (4, 128, True, False), (4, -1, True, False),
     (8, 32, False, False), (8, 128, True, False), (8, -1, False, False), (4, 64, True, True), (8, 32, True, True),
 ])
-@pytest.mark.parametrize("block_kw", [4, 16])
+@pytest.mark.parametrize("block_kw", [16])  # the default tile; 4-word tiles: test_gemv_four_word_tiles
 def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, block_kw):
     # K = 300: not a multiple of any K step (4 words: 16 / 32 columns per step puts a group boundary inside the
     # tile for group 32 -> per-word groups; 16 words: 64 / 128 columns), N = 21 not a multiple of BLOCK_N 8.
@@ -198,6 +199,13 @@ def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, 
             plan = ql.QuantLinearPlan("gemv", block_m=4 if m > 2 else m, block_n=8, block_k=block_kw * p,
                                       split_k=split_k, use_dot=False, num_warps=2)
             _check(ql.quant_linear(x, w, bias if m % 2 else None, plan=plan), x, w, bias if m % 2 else None)
+
+
+def test_gemv_four_word_tiles(nan_outputs):
+    # 4-word K steps (32 columns of 4-bit) put group-32 boundaries at every step and split group 64 / -1
+    # over several steps: the per-word group path, with act-order on the 8-bit case.
+    for bits, group_size, zeros, act_order in ((4, 32, True, False), (8, 64, True, True)):
+        test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, 4)
 
 
 def test_gemv_plan_needs_block_m_at_least_m():
