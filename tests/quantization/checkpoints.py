@@ -238,12 +238,20 @@ def quantize_state_dict(state: dict[str, torch.Tensor], method: str, bits: int, 
     symmetric = DEFAULT_SYMMETRIC[method] if symmetric is None else symmetric
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    # GPTQ orders a layer's columns by its input's Hessian, so the layers reading one input (q/k/v, gate/up;
+    # an expert's gate/up) get one permutation: drawn once per (module's parent, input width).
+    perms: dict[tuple[str, int], torch.Tensor] = {}
     for name, t in _per_expert(state).items():
         module = name[: -len(".weight")]
         if not is_quantized_by_tools(name, t) or module in skip_modules:
             out[name] = t
             continue
-        perm = torch.randperm(t.shape[1], generator=gen) if act_order else None
+        perm = None
+        if act_order:
+            key = (module.rsplit(".", 1)[0], t.shape[1])
+            if key not in perms:
+                perms[key] = torch.randperm(t.shape[1], generator=gen)
+            perm = perms[key]
         if method == "awq":
             parts = _write_awq(t, bits, group_size, symmetric, perm, scale_dtype)
         elif method == "gptq":
