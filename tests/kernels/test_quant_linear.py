@@ -67,7 +67,8 @@ def test_paths_match_dequantize_then_matmul(nan_outputs, path, bits, group_size,
     n, k = 37, 200 if group_size != 128 else 300
     w = random_quant(n, k, bits, group_size, zeros, act_order, device=DEV, seed=bits + group_size)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEV)
-    for m in (1, 3, 17, 40):
+    # The GEMV kernel serves M = 1 (it loops over rows): 1 and 3 rows cover it; the tiled paths take 17 and 40 too.
+    for m in ((1, 3) if path.startswith("gemv") else (1, 3, 17, 40)):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
         _check(ql.quant_linear(x, w, bias, **PATHS[path]), x, w, bias)
     _check(ql.quant_linear(x, w, None, **PATHS[path]), x, w, None)
@@ -75,8 +76,8 @@ def test_paths_match_dequantize_then_matmul(nan_outputs, path, bits, group_size,
 
 @pytest.mark.parametrize("m", [1, 16, 17, 300])
 def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
-    # Default plan at cc 9.0 (the interpreter's device facts): split-K up to 16 rows, the tiled GEMM above
-    # (300 rows: three 128-row tiles, the last one partial); large_m_min = 256 sends 300 rows to cuBLAS.
+    # Default plan at cc 9.0 (the interpreter's device facts): split-K up to 32 rows, then the tiled GEMM up to
+    # 64 and dequantize + cuBLAS above (300 rows); large_m_min = 256 keeps 300 rows on cuBLAS too.
     w = random_quant(37, 200, 4, 32, True, False, device=DEV, seed=m)
     x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(DEV)
     _check(ql.quant_linear(x, w, capability=(9, 0)), x, w)
