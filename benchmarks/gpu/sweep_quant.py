@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import functools
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -49,13 +49,16 @@ if "--cc70" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-LLAMA_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shapes, copy sizing and CUDA-graph timer of the kernel table (one home for how a call is timed).
+from quant_gemm import L2_BYTES, LLAMA_8B_SHAPES, MOE_TOKENS, REPS  # noqa: E402
+from quant_gemm import graph_time_ms as _graph_time_ms  # noqa: E402
+
+# Five replays per point (the table takes seven): the sweep times ~1,000 configurations.
+graph_time_ms = functools.partial(_graph_time_ms, replays=5)
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MS_CC70 = (1, 2, 4, 8, 16)
-MOE_TOKENS = (1, 16, 256, 2048)
 MOE = dict(e=128, h=2048, i=768, top_k=8)
-L2_BYTES = 50 * 2**20
-REPS = 20
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,38 +238,6 @@ def warm_all(tasks: list[tuple], jobs: int) -> set:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Timing
-
-
-def graph_time_ms(calls: list, replays: int = 5) -> float:
-    """Median ms per call of `calls` (zero-argument functions) captured back to back in one CUDA graph."""
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return statistics.median(times)
-
-
 def cfg_label(cfg: dict) -> str:
     if cfg.get("path") == "cublas":
         return "cublas"
