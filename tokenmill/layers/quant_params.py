@@ -51,6 +51,7 @@ class QuantScheme:
 
     @property
     def pack(self) -> int:
+        """Values per int32 word: 8 for 4-bit, 4 for 8-bit (`quant_pack.pack_factor`)."""
         return pack_factor(self.bits)
 
 

@@ -88,6 +88,10 @@ def fp8_matmul_kernel(
     BLOCK_K: tl.constexpr,  # divides scale_block_k when a scale varies along K
     GROUP_M: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile (of one K slice when PARTIAL) of out = (A * a_scale) @ (B * b_scale)^T (+ bias):
+    FP8 dots (A_FP8, W8A8) or B's e4m3 bits decoded to float16 in the kernel (weight-only), scales applied per
+    K tile in float32 (block scales) or once at the end (tensor / row scales). Grid (tiles, SPLIT_K).
+    """
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -65,6 +65,11 @@ def grouped_quant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] output tile of one expert: rows are the tile's (token, expert) pairs (sorted by
+    `fused_moe.moe_align_block_size`), C[pair] = A[pair // TOP_K_DIV] @ dequantize(W[expert])^T, the expert's
+    int4/int8 weights (`quant_pack` layout) dequantized tile by tile inside the K loop, float32 accumulation,
+    optionally times the pair's routing weight. Grid (tiles, cdiv(N, BLOCK_N)); tiles past the padded total return.
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # Tiles past the padded total exist only because the grid is sized statically.

@@ -36,6 +36,9 @@ def mxfp4_dequant_kernel(
     stride_o,
     BLOCK_B: tl.constexpr,
 ):
+    """Decode BLOCK_B bytes of one row: each byte holds two e2m1 values (low nibble first), times the E8M0
+    scale 2^(s - 127) of its 32-value group (OCP MX spec v1.0); writes 2 * BLOCK_B outputs. Grid
+    (rows, cdiv(nbytes, BLOCK_B))."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask = offs < nbytes

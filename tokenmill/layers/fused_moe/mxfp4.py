@@ -37,6 +37,12 @@ class Mxfp4FusedMoE(FusedMoE):
     """
 
     def create_weights(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        """Packed expert parameters: `w13_blocks` [E, 2 I_p, H / 32, 16] uint8 and `w13_scales` [E, 2 I_p, H / 32]
+        uint8 (E8M0), `w2_blocks` [E, H, I_p / 32, 16], `w2_scales` [E, H, I_p / 32]; `dtype` is what they decode to.
+
+        Raises:
+            ValueError: H or the per-rank intermediate size is not a multiple of 32.
+        """
         i_p = self.intermediate_size_per_partition
         if hidden_size % _BLOCK or i_p % _BLOCK:
             raise ValueError(f"MXFP4 experts need hidden_size ({hidden_size}) and the per-rank intermediate size "
@@ -74,6 +80,7 @@ class Mxfp4FusedMoE(FusedMoE):
         param.data.copy_(loaded)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2 I_p, H], w2 [E, H, I_p]) in the model dtype, decoded from the packed MXFP4 blocks this step."""
         return (kernels.dequantize_mxfp4(self.w13_blocks, self.w13_scales, self.dtype),
                 kernels.dequantize_mxfp4(self.w2_blocks, self.w2_scales, self.dtype))
 
