@@ -68,37 +68,36 @@ MOE = dict(e=128, h=2048, i=768, top_k=8)
 def dense_grid(m: int, cc70: bool) -> list[dict]:
     """Plan fields (QuantLinearPlan kwargs) to try at M rows."""
     out = []
-    gemv_max = 16 if cc70 else 8
-    if m <= gemv_max:
+    if m <= 16:
         bm = max(1, 1 << (m - 1).bit_length())
-        # (block_n, words per K step, warps, stages, programs per SM for the split-K count)
-        for bn, bkw, warps, stages, spm in [(8, 32, 2, 3, 8), (16, 16, 2, 3, 8), (16, 32, 2, 3, 8), (16, 32, 4, 3, 8),
-                                            (16, 64, 4, 3, 8), (32, 16, 4, 3, 8), (32, 32, 4, 3, 8), (64, 16, 4, 3, 8),
-                                            (16, 32, 4, 1, 8), (16, 32, 4, 3, 4), (16, 32, 4, 3, 16),
-                                            (16, 16, 2, 3, 16)]:
+        # (block_n, words per K step, warps, stages, programs per SM for the split-K count); float32 partial
+        # sums per thread = bm * block_n * words / (32 * warps), kept <= 64.
+        for bn, bkw, warps, stages, spm in [(64, 16, 2, 1, 8), (64, 16, 2, 1, 4), (64, 16, 2, 1, 16),
+                                            (32, 16, 1, 1, 8), (32, 16, 1, 1, 16), (128, 16, 4, 1, 8),
+                                            (128, 16, 2, 1, 8), (64, 32, 2, 1, 8), (32, 32, 2, 1, 8),
+                                            (128, 8, 4, 1, 8), (64, 16, 4, 1, 8), (256, 16, 4, 1, 8),
+                                            (64, 16, 2, 2, 8), (16, 16, 1, 1, 16)]:
+            if bm * bn * bkw > 64 * 32 * warps:
+                continue
             out.append(dict(path="gemv", block_m=bm, block_n=bn, block_k=bkw * 8, use_dot=False, num_warps=warps,
                             num_stages=1 if cc70 else stages, spm=spm))
     if cc70:
         if m <= 8:
             bm = max(1, 1 << (m - 1).bit_length())
-            for bn, warps in [(16, 2), (32, 2), (32, 4), (64, 4), (128, 4), (128, 8)]:
+            for bn, warps in [(32, 2), (64, 4), (128, 4)]:
                 out.append(dict(path="splitk", block_m=bm, block_n=bn, block_k=128, use_dot=False, num_warps=warps,
                                 num_stages=1))
         out.append(dict(path="cublas"))
         return out
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        for bn, warps, stages, one in [(32, 4, 3, False), (64, 4, 3, False), (128, 4, 3, False), (64, 4, 4, False),
-                                       (64, 2, 3, False), (128, 8, 4, False), (32, 4, 3, True), (64, 4, 3, True),
-                                       (128, 8, 3, True), (64, 8, 4, True), (128, 4, 4, True)]:
+        for bn, warps, stages, one in [(64, 4, 3, False), (128, 4, 3, False), (64, 2, 3, False)]:
             out.append(dict(path="splitk", block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
                             one_dot=one))
-    if m >= 16:
+    if m >= 32:
         cap_m = max(32, 1 << (m - 1).bit_length())
         for bm, bn, warps, stages, one in [(32, 128, 4, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
-                                           (64, 64, 4, 3, False), (32, 128, 4, 4, True), (64, 128, 8, 4, True),
-                                           (128, 128, 8, 3, True), (128, 128, 8, 4, True), (128, 64, 8, 3, True),
-                                           (64, 256, 8, 3, True), (128, 256, 8, 3, True), (64, 64, 4, 4, True)]:
+                                           (128, 256, 8, 3, True)]:
             if bm <= cap_m:
                 out.append(dict(path="tiled", block_m=bm, block_n=bn, block_k=128, num_warps=warps,
                                 num_stages=stages, one_dot=one))

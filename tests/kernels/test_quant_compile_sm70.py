@@ -4,7 +4,7 @@ Same mechanism as test_triton_compile_sm70.py: triton.compile with an
 explicit GPUTarget lowers to PTX and assembles a cubin with the ptxas in the
 triton wheel, in a subprocess without TRITON_INTERPRET. The variants are the
 launch settings `plan_quant_linear` and the MoE wrapper pick on each device:
-cc 7.0 split-K without tl.dot (float16, one stage), the dequantize kernel
+cc 7.0 split-K without tl.dot (float16, one stage), the GEMV, the dequantize kernel
 (cuBLAS path), the grouped MoE kernel (tl.dot as FMA there); cc 9.0 the
 tl.dot split-K / tiled kernels in bfloat16. ptxas -v (the one in the triton
 wheel) checks that none of them spills registers.
@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_gemv_kernel, quant_matmul_kernel
+    from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_matmul_kernel
+    from tokenmill.kernels.triton.quant_gemv import quant_gemv_kernel
     from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
 
@@ -47,12 +48,15 @@ SCRIPT = textwrap.dedent(
     def mm_ptrs(act, out):
         return {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "z_ptr": "*u8", "g_ptr": "*i32", "bias_ptr": act, "out_ptr": out}
 
+    def gemv_ptrs(act, out):
+        return {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "z_ptr": "*u8", "bias_ptr": act, "out_ptr": out}
+
     def mm_cx(bits, mode, dot, partial, bm, bn, bk, fp16, one_dot=False):
         return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, USE_DOT=dot, IEEE_FP32=False,
                     PARTIAL=partial, CLAMP_FP16=fp16, ONE_DOT=one_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
 
-    def gemv_cx(bits, mode, partial, bm, bn, bkw, fp16):
-        return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, PARTIAL=partial, CLAMP_FP16=fp16,
+    def gemv_cx(bits, one_group, partial, bm, bn, bkw, fp16):
+        return dict(BITS=bits, HAS_ZEROS=True, ONE_GROUP=one_group, HAS_BIAS=True, PARTIAL=partial, CLAMP_FP16=fp16,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bkw)
 
     results = []
@@ -64,16 +68,15 @@ SCRIPT = textwrap.dedent(
                                mm_cx(4, 2, False, False, 8, 32, 128, True), 4, 1))
     results.append(compile_one("splitk_m2_int8", quant_matmul_kernel, 70, mm_ptrs("*fp16", "*fp32"),
                                mm_cx(8, 0, False, True, 2, 64, 64, True), 4, 1))
-    # The GEMV (default tiles: 32 rows x 16 words): one group per tile (g128, 16 words), per-word groups
-    # (32 words), act-order; M = 1 and 4; 8-bit.
-    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
-                               gemv_cx(4, 0, True, 1, 32, 16, True), 4, 1))
-    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
-                               gemv_cx(4, 1, True, 4, 16, 32, True), 4, 1))
-    results.append(compile_one("gemv_m4_actorder", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp16"),
-                               gemv_cx(4, 2, False, 4, 16, 32, True), 4, 1))
-    results.append(compile_one("gemv_m2_int8", quant_gemv_kernel, 70, mm_ptrs("*fp16", "*fp32"),
-                               gemv_cx(8, 1, True, 2, 16, 32, True), 4, 1))
+    # The GEMV: one group per tile (g128, 16 words), per-word groups (32 words); M = 1, 4 and 16; 8-bit.
+    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 70, gemv_ptrs("*fp16", "*fp32"),
+                               gemv_cx(4, True, True, 1, 32, 16, True), 4, 1))
+    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 70, gemv_ptrs("*fp16", "*fp32"),
+                               gemv_cx(4, False, True, 4, 16, 32, True), 4, 1))
+    results.append(compile_one("gemv_m16_out", quant_gemv_kernel, 70, gemv_ptrs("*fp16", "*fp16"),
+                               gemv_cx(4, True, False, 16, 8, 16, True), 4, 1))
+    results.append(compile_one("gemv_m2_int8", quant_gemv_kernel, 70, gemv_ptrs("*fp16", "*fp32"),
+                               gemv_cx(8, False, True, 2, 16, 32, True), 4, 1))
     results.append(compile_one("splitk_reduce", splitk_reduce_kernel, 70, {"partial_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16"},
                                dict(SPLIT_K=8, HAS_BIAS=True, CLAMP_FP16=True, ROUND=0, BLOCK=1024), 4, 1))
     deq_ptrs = {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32", "out_ptr": "*fp16"}
@@ -92,10 +95,10 @@ SCRIPT = textwrap.dedent(
                                mm_cx(4, 1, True, True, 16, 64, 128, False), 4, 3))
     results.append(compile_one("tiled_m128", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*bf16"),
                                mm_cx(4, 0, True, False, 128, 128, 128, False), 8, 3))
-    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
-                               gemv_cx(4, 0, True, 1, 32, 16, False), 4, 3))
-    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, mm_ptrs("*bf16", "*fp32"),
-                               gemv_cx(4, 1, True, 4, 16, 32, False), 4, 3))
+    results.append(compile_one("gemv_m1_g128", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, True, True, 1, 32, 16, False), 4, 1))
+    results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, False, True, 4, 16, 32, False), 4, 1))
     bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
     print(json.dumps(results))
@@ -109,7 +112,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     results = compile_in_subprocess(SCRIPT)
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
-        ("gemv_m4_perword", 70), ("gemv_m4_actorder", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
+        ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
         ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("moe_grouped", 90),
     ]

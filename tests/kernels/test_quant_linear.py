@@ -162,11 +162,11 @@ def test_plan_thresholds_and_split_k():
     w = w._replace(in_features=4096)
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
     # The thresholds of the H200 sweep (quant_linear.py's constants).
-    assert [plan(m, 4096, (9, 0)).path for m in (1, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
-        ["splitk", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
+    assert [plan(m, 4096, (9, 0)).path for m in (1, 2, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
+        ["gemv", "gemv", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
     assert [plan(m, 4096, (7, 0)).path for m in (1, 2, 8, 300)] == ["gemv", "cublas", "cublas", "cublas"]
     assert plan(5, 4096, (9, 0)).use_dot and plan(17, 4096, (9, 0)).block_m == 32
-    assert plan(1, 4096, (7, 0)).num_stages == 1
+    assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(1, 4096, (9, 0)).block_n == ql.GEMV_BLOCK_N
     gemv = ql.plan_quant_linear(3, 4096, w, (9, 0), 132, gemv_m_max=4)
     assert gemv.block_m == 4  # the GEMV loops over a power of two of rows
     gemv = ql.plan_quant_linear(1, 4096, w, (9, 0), 132, gemv_m_max=4)
@@ -182,16 +182,15 @@ def test_plan_thresholds_and_split_k():
     assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132, gemv_m_max=4).block_k == 4 * ql.GEMV_BLOCK_KW
 
 
-@pytest.mark.parametrize("bits,group_size,zeros,act_order", [
-    (4, 32, True, False), (4, 64, False, False), (4, 128, True, False), (4, -1, True, False),
-    (8, 32, False, False), (8, 128, True, False), (8, -1, False, False), (4, 64, True, True), (8, 32, True, True),
+@pytest.mark.parametrize("bits,group_size,zeros", [
+    (4, 32, True), (4, 64, False), (4, 128, True), (4, -1, True), (8, 32, False), (8, 128, True), (8, -1, False),
 ])
 @pytest.mark.parametrize("block_kw", [16])  # the default tile; 4-word tiles: test_gemv_four_word_tiles
-def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, block_kw):
+def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, block_kw, k=300):
     # K = 300: not a multiple of any K step (4 words: 16 / 32 columns per step puts a group boundary inside the
     # tile for group 32 -> per-word groups; 16 words: 64 / 128 columns), N = 21 not a multiple of BLOCK_N 8.
-    n, k = 21, 300
-    w = random_quant(n, k, bits, group_size, zeros, act_order, device=DEV, seed=bits * group_size + block_kw)
+    n = 21
+    w = random_quant(n, k, bits, group_size, zeros, False, device=DEV, seed=bits * group_size + block_kw)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(DEV)
     p = 32 // bits
     for m in (1, 2, 3, 4):
@@ -204,9 +203,21 @@ def test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, 
 
 def test_gemv_four_word_tiles(nan_outputs):
     # 4-word K steps (32 columns of 4-bit) put group-32 boundaries at every step and split group 64 / -1
-    # over several steps: the per-word group path, with act-order on the 8-bit case.
-    for bits, group_size, zeros, act_order in ((4, 32, True, False), (8, 64, True, True)):
-        test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, act_order, 4)
+    # over several steps (per-tile groups); 32-word steps hold several group-32 / 64 groups (per-word groups).
+    # K = 256 is a whole number of 16-word steps: the unmasked (EVEN_K) loop.
+    for bits, group_size, zeros, block_kw, k in ((4, 32, True, 4, 300), (8, 64, True, 4, 300),
+                                                 (4, 32, False, 32, 300), (8, 64, True, 32, 300),
+                                                 (4, 128, True, 16, 256), (8, -1, False, 16, 256)):
+        test_gemv_rows_one_to_four(nan_outputs, bits, group_size, zeros, block_kw, k)
+
+
+def test_gemv_refuses_act_order_and_the_planner_routes_around_it():
+    w = random_quant(8, 64, 4, 32, True, True, device=DEV)
+    x = torch.randn(1, 64).to(DEV)
+    with pytest.raises(ValueError, match="act-order"):
+        ql.quant_linear(x, w, plan=ql.QuantLinearPlan("gemv", 1, 8, 64, 1, False))
+    assert ql.plan_quant_linear(1, 8, w, (9, 0), 132, gemv_m_max=4).path != "gemv"
+    _check(ql.quant_linear(x, w, gemv_m_max=4), x, w)
 
 
 def test_gemv_plan_needs_block_m_at_least_m():

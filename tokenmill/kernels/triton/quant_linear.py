@@ -23,12 +23,10 @@ side. (The two obvious alternatives, re-loading each word once per value or
 unpacking into [N, K] with tl.reshape, spill registers at these tiles:
 checked with ptxas -v.)
 
-- tiny M (GEMV, M <= GEMV_M_MAX): `quant_gemv_kernel`, no tl.dot: each program
-  takes BLOCK_N output rows and a K slice, unpacks [BLOCK_N, BLOCK_KW] words
-  into [BLOCK_N, BLOCK_KW, p] with shifts, multiplies by x loaded as a
-  [BLOCK_KW, p] tile and reduces with tl.sum in float32, looping over the M
-  rows inside the program (the weights are read once for all rows); K slices
-  as in split-K below. Small programs, few registers, many per SM.
+- tiny M (GEMV, M <= GEMV_M_MAX, no act-order): `quant_gemv.quant_gemv_kernel`,
+  float32 FMAs with the values turned into floats by bit operations (no
+  int->float instructions), partial sums per thread reduced once after the
+  K loop; K slices as in split-K below (its module docstring has the math).
 - small M (split-K): one program per (M tile, N tile, K slice). Decode is
   memory-bound: each program streams its slice of the packed words once
   (bits/16 of the bf16 bytes: a quarter for 4-bit, plus scales and zeros).
@@ -68,7 +66,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
-from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
+from tokenmill.kernels.triton.quant_gemv import gemv_supported, quant_gemv_kernel, words_per_group
+from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel, store_tile
 
 FP16_MAX = 65504.0
 
@@ -87,15 +86,18 @@ FP16_MAX = 65504.0
 SMALL_M_MAX = 32
 LARGE_M_MIN = 64
 SMALL_M_MAX_CC70 = 1
-# M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the no-tl.dot GEMV kernel (`quant_gemv_kernel`).
-GEMV_M_MAX = 0  # on the H200 split-K beat the GEMV kernel at every M (sweep.log); kept for cc < 8.0
+# M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the FMA GEMV (`quant_gemv.py`), for weights without
+# act-order. Launch settings: output rows per program, packed words per K step, warps, stages, programs wanted
+# per SM (divided by the power of two of M). H200 sweep (benchmarks/gpu/results/session8/sweep2.log): one-warp
+# programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM,
+# and at M = 2 with ~8 (0.82-0.88x of bf16, level with or ahead of split-K); from M = 4 split-K is faster.
+GEMV_M_MAX = 2
 GEMV_M_MAX_CC70 = 1
-# GEMV launch settings: rows per program, packed words per K step, warps, stages, programs wanted per SM.
 GEMV_BLOCK_N = 32
-GEMV_BLOCK_KW = 16  # 4-bit: 128 columns, one tile per group of the common group size 128
-GEMV_WARPS = 4
-GEMV_STAGES = 3
-GEMV_PROGRAMS_PER_SM = 8
+GEMV_BLOCK_KW = 16
+GEMV_WARPS = 1
+GEMV_STAGES = 1
+GEMV_PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -237,27 +239,6 @@ def _accumulate_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, cols, offs_n, n_mask, mask, stride_os, stride_om, stride_on,
-                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, CLAMP_FP16: tl.constexpr):
-    """Store the transposed output tile acc^T [BLOCK_N, R] (float32) at out[rows, cols] under `mask`.
-
-    PARTIAL: the float32 partial of K slice pid_k at out[pid_k, rows, cols] (summed by
-    `splitk.splitk_reduce_kernel`); else + bias[offs_n] (HAS_BIAS), saturated at +-65504 (CLAMP_FP16) and cast
-    to out's dtype. `cols` are the output columns offs_n as the caller indexes out (int32 or int64).
-    """
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + cols[:, None] * stride_on, acc,
-                 mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if CLAMP_FP16:
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def quant_matmul_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32
     qw_ptr,  # int32 [N, ceil(K / p)]
@@ -302,91 +283,7 @@ def quant_matmul_kernel(
                                offs_n, n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
                                stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, USE_DOT, IEEE_FP32, BLOCK_K,
                                ONE_DOT)
-    _store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
-                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
-
-
-@triton.jit
-def quant_gemv_kernel(
-    x_ptr,  # [M, K] float16 / bfloat16 / float32
-    qw_ptr,  # int32 [N, ceil(K / p)]
-    s_ptr,  # [N, ngroups]
-    z_ptr,  # uint8 [N, ngroups] (read when HAS_ZEROS)
-    g_ptr,  # int32 [K] (read when GROUP_MODE == 2)
-    bias_ptr,  # [N] (read when HAS_BIAS)
-    out_ptr,  # [M, N] in x's dtype, or float32 partials [SPLIT_K, M, N] when PARTIAL
-    M, N, K, group_size, k_tiles_per_split,
-    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
-    stride_os, stride_om, stride_on,
-    BITS: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    GROUP_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    CLAMP_FP16: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows of x handled by the program (a power of two >= M); weights read once for all
-    BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr,  # packed words per row per step (BLOCK_KW * p K columns)
-):
-    """Memory-bound GEMV for a few rows of x: out[m, n] (+)= sum_k x[m, k] W[n, k] over the K slice of
-    program_id(1), output rows n of program_id(0); no tl.dot.
-
-    Each step loads a [BLOCK_N, BLOCK_KW] tile of packed words (contiguous along K: vector loads), unpacks
-    it with shifts into [BLOCK_N, BLOCK_KW, p] (value j of word w is column (k0 / p + w) * p + j) and
-    multiplies it with x loaded as a [BLOCK_KW, p] tile at the same offsets (no reshape), reducing with
-    tl.sum in float32. GROUP_MODE 0 (one group per tile): the scale and zero point are applied once per
-    tile and row, s * (sum q x - z * sum x); 1: group per word; 2: act-order, group g_idx[k] per column.
-    """
-    P: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = BLOCK_KW * P
-    pid_n = tl.program_id(0)
-    pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_n64 = offs_n.to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    kw_total = tl.cdiv(K, P)
-    shifts = tl.arange(0, P) * BITS
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(k_start, k_end):
-        offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
-        words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
-                        mask=n_mask[:, None] & (offs_w < kw_total)[None, :], other=0)
-        q = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)  # [BN, BKW, P]
-        offs_k = offs_w[:, None] * P + tl.arange(0, P)[None, :]  # [BKW, P]
-        k_mask = offs_k < K
-        if GROUP_MODE == 0:
-            s, z = _scales_zeros(s_ptr, z_ptr, offs_n64, n_mask, (kt * BLOCK_K) // group_size, n_mask,
-                                 stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, False)
-            s = tl.reshape(s, (BLOCK_N,))
-            z = tl.reshape(z, (z.shape[0],))
-            w = q
-        else:
-            if GROUP_MODE == 1:
-                gw = (offs_w * P) // group_size
-                s, z = _scales_zeros(s_ptr, z_ptr, offs_n64, n_mask, gw, offs_w < kw_total,
-                                     stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, True)
-                w = (q - z[:, :, None]) * s[:, :, None]
-            else:
-                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)  # [BKW, P]
-                mask3 = n_mask[:, None, None] & k_mask[None, :, :]
-                s3 = tl.load(s_ptr + offs_n64[:, None, None] * stride_sn + g[None, :, :] * stride_sg, mask=mask3,
-                             other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    z3 = tl.load(z_ptr + offs_n64[:, None, None] * stride_zn + g[None, :, :] * stride_zg,
-                                 mask=mask3, other=0).to(tl.float32)
-                    w = (q - z3) * s3
-                else:
-                    w = (q - (1 << (BITS - 1))) * s3
-        for mi in tl.static_range(BLOCK_M):
-            row_ok = mi < M
-            xt = tl.load(x_ptr + mi * stride_xm + offs_k * stride_xk, mask=k_mask & row_ok, other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-            if GROUP_MODE == 0:
-                part = s * (part - z * tl.sum(tl.sum(xt, axis=1), axis=0))
-            acc += tl.where(rows[None, :] == mi, part[:, None], 0.0)
-    m_mask = rows < M
-    _store_tile(acc, out_ptr, bias_ptr, pid_k, rows, offs_n64, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
+    store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
                 stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
 
@@ -515,10 +412,11 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     large = large_m_min if large_m_min is not None else (SMALL_M_MAX_CC70 if cc70 else LARGE_M_MIN)
     gemv = gemv_m_max if gemv_m_max is not None else (GEMV_M_MAX_CC70 if cc70 else GEMV_M_MAX)
     k = w.in_features
-    if m <= gemv:
-        return finish_plan(QuantLinearPlan("gemv", triton.next_power_of_2(m), GEMV_BLOCK_N,
-                                           GEMV_BLOCK_KW * pack_factor(w.bits), 0, False, GEMV_WARPS,
-                                           1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k)
+    if m <= gemv and gemv_supported(w.g_idx is not None, w.bits, w.group_size):
+        bm = triton.next_power_of_2(m)
+        return finish_plan(QuantLinearPlan("gemv", bm, GEMV_BLOCK_N, GEMV_BLOCK_KW * pack_factor(w.bits), 0, False,
+                                           GEMV_WARPS, 1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k,
+                           programs_per_sm=max(1, GEMV_PROGRAMS_PER_SM // bm))
     if m > small and (m > large or cc70):
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
@@ -584,16 +482,22 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
     if plan.path == "gemv":
         if plan.block_m < m:
             raise ValueError(f"The GEMV plan's block_m {plan.block_m} is below M = {m}.")
+        if mode == 2:
+            raise ValueError("The GEMV kernel takes no act-order (g_idx) weight; plan another path.")
+        p = pack_factor(w.bits)
+        block_kw = plan.block_k // p
+        wpg = words_per_group(w.bits, w.group_size, k)
         quant_gemv_kernel[(triton.cdiv(n, plan.block_n), plan.split_k)](
-            x, w.qweight, w.scales, qz, g_idx if g_idx is not None else w.qweight,
-            bias if bias is not None else w.scales, target,
-            m, n, k, gsize, per,
+            x, w.qweight, w.scales, qz, bias if bias is not None else w.scales, target,
+            m, n, k, triton.cdiv(k, p), wpg, per * block_kw,
             x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
             w.scales.stride(1), qz.stride(0), qz.stride(1),
             target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
-            BITS=w.bits, HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, HAS_BIAS=bias is not None,
-            PARTIAL=partial, CLAMP_FP16=clamp, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            BLOCK_KW=plan.block_k // pack_factor(w.bits), num_warps=plan.num_warps, num_stages=plan.num_stages,
+            BITS=w.bits, HAS_ZEROS=w.qzeros is not None, ONE_GROUP=wpg % block_kw == 0,
+            EVEN_K=k % (block_kw * p) == 0, HAS_BIAS=bias is not None,
+            PARTIAL=partial, CLAMP_FP16=clamp, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_KW=block_kw,
+            ASM=x.is_cuda,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
     else:
         quant_matmul_kernel[(triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)](

@@ -64,6 +64,27 @@ def splitk_reduce_kernel(partial_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.cons
     tl.store(out_ptr + offs, round_to(acc, ROUND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, pid_k, rows, cols, offs_n, n_mask, mask, stride_os, stride_om, stride_on,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, CLAMP_FP16: tl.constexpr):
+    """Store the transposed output tile acc^T [BLOCK_N, R] (float32) at out[rows, cols] under `mask`.
+
+    PARTIAL: the float32 partial of K slice pid_k at out[pid_k, rows, cols] (summed by
+    `splitk.splitk_reduce_kernel`); else + bias[offs_n] (HAS_BIAS), saturated at +-65504 (CLAMP_FP16) and cast
+    to out's dtype. `cols` are the output columns offs_n as the caller indexes out (int32 or int64).
+    """
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rows[None, :] * stride_om + cols[:, None] * stride_on, acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if CLAMP_FP16:
+            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+        tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _device_facts(index: int) -> tuple[tuple[int, int], int]:
     from tokenmill.platforms.cuda import effective_capability, force_cc70_requested
