@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-_ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+# As in Go templates, a trim marker is "{{- " / " -}}" with the space: "{{-3}}" is the number -3, which
+# this subset does not have, so it fails as an unsupported command.
+_ACTION = re.compile(r"{{(-\s)?\s*(.*?)\s*(\s-)?}}", re.S)
 
 
 def _truthy(v: Any) -> bool:
@@ -134,3 +137,39 @@ def render(template: str, values: dict[str, Any], release: str = "tokenmill", na
     if len(stack) != 1:
         raise ValueError("if without end")
     return "".join(out)
+
+
+def chart_values(chart_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chart's values.yaml with `overrides` applied: dotted value paths -> values (strings parsed as
+    YAML scalars, like `helm --set`). Raises KeyError for a path whose parents values.yaml lacks."""
+    values = yaml.safe_load((Path(chart_dir) / "values.yaml").read_text())
+    for dotted, value in (overrides or {}).items():
+        node = values
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    return values
+
+
+def render_chart(chart_dir: str | Path, overrides: dict[str, Any] | None = None, release: str = "tokenmill") -> str:
+    """`helm template RELEASE CHART --set a.b=v ...` for this subset: every template, "---" between documents."""
+    root = Path(chart_dir)
+    values = chart_values(root, overrides)
+    chart = yaml.safe_load((root / "Chart.yaml").read_text())
+    out = []
+    for template in sorted((root / "templates").glob("*.yaml")):
+        text = render(template.read_text(), values, release=release, chart=chart).strip("\n")
+        if text.strip():
+            out.append(f"# Source: {root.name}/templates/{template.name}\n{text}\n")
+    return "---\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-"):
+        sys.exit("usage: python tests/deploy/helm_subset.py CHART_DIR [--set key.path=value ...]")
+    sets = dict(a.split("=", 1) for flag, a in zip(args[1::2], args[2::2]) if flag == "--set")
+    sys.stdout.write(render_chart(args[0], sets))
