@@ -153,6 +153,9 @@ def test_dashboard_and_autoscaling_queries_under_a_burst(server, tmp_path):
         assert prom.scalar(queue_query) == 0.0
         # One bad request, so the error panels see a 4xx series too.
         assert http("POST", f"{server.base}/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
+        # It reaches the error panels: its series existed at 0 before it, so increase() counts it.
+        poll("the 400 seen by increase()", lambda: (prom.scalar(
+            f'sum(increase(tokenmill:http_responses_total{{status="400"}}[{RATE_WINDOW}]))') or 0) > 0.5, 30)
         errors: list[str] = []
         threads = [threading.Thread(target=_complete, args=(server.base, i, errors)) for i in range(BURST)]
         started = time.time()
