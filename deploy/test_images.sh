@@ -193,7 +193,8 @@ if [ -z "${SKIP_GPU:-}" ]; then
         echo "built WITH the sm_70 check: $(grep 'arch list' "$WORK/build-gpu-sm70.log" | head -1)"
     else
         echo "the sm_70 check failed the build, as it must for a torch without Volta kernels:"
-        grep -E "arch list|no sm_70" "$WORK/build-gpu-sm70.log" | sed 's/^/    /' | head -3
+        # (the legacy builder colours a step's stderr: the escape codes are dropped)
+        grep -E "arch list|no sm_70" "$WORK/build-gpu-sm70.log" | sed 's/\x1b\[[0-9;]*m//g; s/^/    /' | head -3
         grep -q "no sm_70" "$WORK/build-gpu-sm70.log" || { tail -30 "$WORK/build-gpu-sm70.log"; fail "GPU build failed for another reason"; }
         docker build -f docker/Dockerfile -t "$GPU_IMAGE" --build-arg "BASE_IMAGE=$BASE" \
             --build-arg TORCH_INDEX_URL= --build-arg REQUIRE_SM70=0 . >"$WORK/build-gpu.log" 2>&1 \
