@@ -8,9 +8,10 @@
 # 2. the CPU image (docker/Dockerfile.cpu) on it; torch from a local wheel when one is found
 #    (TORCH_WHEEL, default /opt/wheels/torch-*+cpu-*.whl), else from PyTorch's CPU index
 # 3. runs it: waits for /health and the HEALTHCHECK's "healthy", /ready, a chat answer from the
-#    bundled model through the `openai` client over the mapped port, the non-root user, the
-#    `python3 -m tokenmill.entrypoints.openai.api_server` entrypoint, then `docker stop` (SIGTERM)
-#    and a clean exit (code 0)
+#    bundled model through the `openai` client over the mapped port, the non-root user, then
+#    `docker stop` (SIGTERM) and a clean exit (code 0); then the same image with the entrypoint
+#    replaced by `python3 -m tokenmill.entrypoints.openai.api_server` (vLLM's): health, a chat
+#    answer through the `openai` client, SIGTERM, exit code 0
 # 4. compose: `docker-compose config` of both files, then the tokenmill and Prometheus services
 #    (Prometheus from a Debian-package image: prom/prometheus cannot be pulled), a scrape seen
 # 5. the GPU image (docker/Dockerfile) with the torch PyPI offers: first with the sm_70 check (its
@@ -45,6 +46,31 @@ wait_for() {
         sleep 1
     done
     echo "$what: yes after $((SECONDS - deadline + limit))s"
+}
+
+# chat PORT API_KEY: one chat request to the served model through the `openai` client; fails on an empty answer.
+chat() {
+    "$PY" - "$1" "$2" <<'PYEOF'
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key=sys.argv[2])
+model = client.models.list().data[0].id
+r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                   max_tokens=24, temperature=0)
+answer = r.choices[0].message.content
+print(f"openai client, model {model!r}: {answer!r} ({r.usage.completion_tokens} tokens, finish {r.choices[0].finish_reason})")
+assert answer.strip(), "empty answer"
+PYEOF
+}
+# stop_cleanly NAME: `docker stop` (SIGTERM), print the exit code and the last log lines, fail unless 0.
+stop_cleanly() {
+    local start=$SECONDS code
+    docker stop -t 60 "$1" >/dev/null
+    code=$(docker inspect -f '{{.State.ExitCode}}' "$1")
+    echo "docker stop $1 (SIGTERM): exited with code $code after $((SECONDS - start))s; last log lines:"
+    docker logs "$1" 2>&1 | tail -3 | sed 's/^/    /'
+    [ "$code" = 0 ] || fail "$1: exit code $code after SIGTERM"
+    docker rm "$1" >/dev/null
 }
 
 step "preflight"
@@ -114,34 +140,26 @@ docker run -d --name tm-image-test -p "127.0.0.1:$PORT:8000" -e "TOKENMILL_API_K
 wait_for 600 "GET /health = 200" curl -fsS "http://127.0.0.1:$PORT/health"
 wait_for 120 "HEALTHCHECK state healthy" sh -c "[ \"\$(docker inspect -f '{{.State.Health.Status}}' tm-image-test)\" = healthy ]"
 echo "GET /ready: $(curl -sS "http://127.0.0.1:$PORT/ready")"
-"$PY" - "$PORT" "$API_KEY" <<'PYEOF'
-import sys
-from openai import OpenAI
-client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key=sys.argv[2])
-model = client.models.list().data[0].id
-r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                   max_tokens=24, temperature=0)
-answer = r.choices[0].message.content
-print(f"openai client, model {model!r}: {answer!r} ({r.usage.completion_tokens} tokens, finish {r.choices[0].finish_reason})")
-assert answer.strip(), "empty answer"
-PYEOF
+chat "$PORT" "$API_KEY"
 uid=$(docker exec tm-image-test id -u); user=$(docker exec tm-image-test id -un)
 echo "process user: $user (uid $uid)"
 [ "$uid" != 0 ] || fail "the server runs as root"
-if docker run --rm --entrypoint python3 "$CPU_IMAGE" -m tokenmill.entrypoints.openai.api_server --help \
-        >"$WORK/api_server-help.txt" 2>&1 && grep -q -- "--port" "$WORK/api_server-help.txt"; then
-    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server --help: lists the server flags"
-else
-    echo "entrypoint override python3 -m tokenmill.entrypoints.openai.api_server: NOT AVAILABLE in this checkout" \
-        "(the module has no __main__ yet: $(wc -l <"$WORK/api_server-help.txt") lines of output)"
-fi
-start=$SECONDS
-docker stop -t 60 tm-image-test >/dev/null
-code=$(docker inspect -f '{{.State.ExitCode}}' tm-image-test)
-echo "docker stop (SIGTERM): exited with code $code after $((SECONDS - start))s; last log lines:"
-docker logs tm-image-test 2>&1 | tail -3 | sed 's/^/    /'
-[ "$code" = 0 ] || fail "exit code $code after SIGTERM"
-docker rm tm-image-test >/dev/null; docker volume rm tm-image-test-data >/dev/null
+stop_cleanly tm-image-test
+
+step "3b. the CPU image with vLLM's entry point: --entrypoint python3 ... -m tokenmill.entrypoints.openai.api_server"
+# Replacing the entrypoint also drops its --host 0.0.0.0, so it is given here; the key goes as vLLM's --api-key.
+docker rm -f tm-image-test-api >/dev/null 2>&1 || true
+CONTAINERS+=(tm-image-test-api)
+docker run -d --name tm-image-test-api -p "127.0.0.1:$PORT:8000" -v tm-image-test-data:/data \
+    --entrypoint python3 "$CPU_IMAGE" -m tokenmill.entrypoints.openai.api_server \
+    --host 0.0.0.0 --port 8000 --api-key "$API_KEY" --max-model-len 512 --kv-cache-memory-bytes 256M \
+    --shutdown-timeout 10 >/dev/null
+docker inspect -f 'entrypoint {{json .Config.Entrypoint}}, cmd {{json .Config.Cmd}}' tm-image-test-api | cut -c1-200
+wait_for 600 "api_server: GET /health = 200" curl -fsS "http://127.0.0.1:$PORT/health"
+echo "api_server: process 1 is $(docker exec tm-image-test-api sh -c 'tr "\0" " " </proc/1/cmdline' | cut -c1-120)"
+chat "$PORT" "$API_KEY"
+stop_cleanly tm-image-test-api
+docker volume rm tm-image-test-data >/dev/null
 
 if [ -z "${SKIP_COMPOSE:-}" ]; then
     step "4. compose"
@@ -175,7 +193,8 @@ if [ -z "${SKIP_GPU:-}" ]; then
         echo "built WITH the sm_70 check: $(grep 'arch list' "$WORK/build-gpu-sm70.log" | head -1)"
     else
         echo "the sm_70 check failed the build, as it must for a torch without Volta kernels:"
-        grep -E "arch list|no sm_70" "$WORK/build-gpu-sm70.log" | sed 's/^/    /' | head -3
+        # (the legacy builder colours a step's stderr: the escape codes are dropped)
+        grep -E "arch list|no sm_70" "$WORK/build-gpu-sm70.log" | sed 's/\x1b\[[0-9;]*m//g; s/^/    /' | head -3
         grep -q "no sm_70" "$WORK/build-gpu-sm70.log" || { tail -30 "$WORK/build-gpu-sm70.log"; fail "GPU build failed for another reason"; }
         docker build -f docker/Dockerfile -t "$GPU_IMAGE" --build-arg "BASE_IMAGE=$BASE" \
             --build-arg TORCH_INDEX_URL= --build-arg REQUIRE_SM70=0 . >"$WORK/build-gpu.log" 2>&1 \

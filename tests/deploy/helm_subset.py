@@ -1,7 +1,10 @@
 """A renderer for the part of Helm's template language that deploy/helm/tokenmill uses.
 
-No helm binary can be had here (neither Debian nor PyPI packages one), so the
-chart's templates keep to this subset and the tests render them with it:
+Neither Debian nor PyPI packages a helm binary. The tests render the chart with
+Helm's own engine where PyPI's helm-python-sdk (Helm v4's Go SDK in a C
+library) is installed, and check that this renderer gives the same objects; the
+chart's templates keep to this subset, so it still renders them without that
+wheel:
 
     {{ .Values.a.b }}  {{ .Release.Name }}  {{ .Release.Namespace }}  {{ .Chart.AppVersion }}
     {{ "text" }}       pipelines: x | quote, x | toYaml | nindent N, toYaml x | nindent N
@@ -18,11 +21,14 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-_ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+# As in Go templates, a trim marker is "{{- " / " -}}" with the space: "{{-3}}" is the number -3, which
+# this subset does not have, so it fails as an unsupported command.
+_ACTION = re.compile(r"{{(-\s)?\s*(.*?)\s*(\s-)?}}", re.S)
 
 
 def _truthy(v: Any) -> bool:
@@ -134,3 +140,59 @@ def render(template: str, values: dict[str, Any], release: str = "tokenmill", na
     if len(stack) != 1:
         raise ValueError("if without end")
     return "".join(out)
+
+
+def chart_values(chart_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chart's values.yaml with `overrides` applied: dotted value paths -> values (strings parsed as
+    YAML scalars, like `helm --set`). Raises KeyError for a path whose parents values.yaml lacks."""
+    values = yaml.safe_load((Path(chart_dir) / "values.yaml").read_text())
+    for dotted, value in (overrides or {}).items():
+        node = values
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    return values
+
+
+def render_chart(chart_dir: str | Path, overrides: dict[str, Any] | None = None, release: str = "tokenmill") -> str:
+    """`helm template RELEASE CHART --set a.b=v ...` for this subset: every template, "---" between documents."""
+    root = Path(chart_dir)
+    values = chart_values(root, overrides)
+    chart = yaml.safe_load((root / "Chart.yaml").read_text())
+    out = []
+    for template in sorted((root / "templates").glob("*.yaml")):
+        text = render(template.read_text(), values, release=release, chart=chart).strip("\n")
+        if text.strip():
+            out.append(f"# Source: {root.name}/templates/{template.name}\n{text}\n")
+    return "---\n".join(out)
+
+
+def helm_template(chart_dir: str | Path, overrides: dict[str, Any] | None = None, release: str = "tokenmill") -> str:
+    """The same as `render_chart`, by Helm v4's own engine (PyPI's helm-python-sdk; ImportError without it)."""
+    import helm_python
+
+    sets: dict[str, Any] = {}
+    for dotted, value in (overrides or {}).items():
+        node = sets
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    with helm_python.Chart.load(str(chart_dir)) as chart:
+        manifests = chart.render(sets, name=release, namespace="default", is_install=True)
+    return "---\n".join(f"# Source: {path}\n{text.strip()}\n" for path, text in sorted(manifests.items())
+                        if text.strip())
+
+
+if __name__ == "__main__":
+    import sys
+
+    args = sys.argv[1:]
+    use_helm = "--helm" in args
+    args = [a for a in args if a != "--helm"]
+    if not args or args[0].startswith("-"):
+        sys.exit("usage: python tests/deploy/helm_subset.py [--helm] CHART_DIR [--set key.path=value ...]\n"
+                 "  --helm: render with Helm's own engine (pip install helm-python-sdk) instead of this subset")
+    sets = dict(a.split("=", 1) for flag, a in zip(args[1::2], args[2::2]) if flag == "--set")
+    sys.stdout.write((helm_template if use_helm else render_chart)(args[0], sets))

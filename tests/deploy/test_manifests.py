@@ -2,8 +2,11 @@
 
 Core kinds go through `kubernetes-validate` (strict: unknown fields fail);
 ScaledObject, ServiceMonitor and the prometheus-adapter rule through the
-schemas in crd_schemas.py. The Helm chart is rendered by helm_subset.py (no
-helm binary is available here) for each autoscaling mode.
+schemas in crd_schemas.py. The Helm chart is rendered for each autoscaling
+mode by Helm itself and by helm_subset.py. Neither Debian nor PyPI packages a
+`helm` binary, but PyPI's helm-python-sdk bundles Helm v4's Go SDK as a C
+library: its `Chart.render` is what `helm template` runs and its `lint` is
+`helm lint`, offline. helm_subset.py renders the same objects without it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import jsonschema
 import pytest
 import yaml
 from crd_schemas import ADAPTER_RULES, BY_KIND
-from helm_subset import render
+from helm_subset import chart_values, render, render_chart
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+from optional_deps import require
+
+kubernetes_validate = require("kubernetes_validate", "kubernetes-validate")
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
@@ -47,20 +52,11 @@ def _plain() -> dict[str, dict]:
 
 
 def _render_chart(**overrides: str) -> list[dict]:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    for dotted, value in overrides.items():
-        node = values
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    """The chart rendered with values.yaml + overrides (keyword a__b = value path a.b), values schema-checked."""
+    sets = {key.replace("__", "."): value for key, value in overrides.items()}
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
-    jsonschema.validate(values, schema)
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    docs = []
-    for template in sorted((CHART / "templates").glob("*.yaml")):
-        docs += _docs(render(template.read_text(), values, release="tokenmill", chart=chart))
-    return docs
+    jsonschema.validate(chart_values(CHART, sets), schema)
+    return _docs(render_chart(CHART, sets))
 
 
 def _container(deployment: dict) -> dict:
@@ -118,12 +114,14 @@ def test_probes_drain_and_volumes_of_the_deployment():
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
-@pytest.mark.parametrize("mode, kinds", [("keda", {"ScaledObject"}), ("hpa", {"HorizontalPodAutoscaler"}),
+@pytest.mark.parametrize("mode, kinds", [("keda", {"ScaledObject"}), ("hpa", {"HorizontalPodAutoscaler", "ConfigMap"}),
                                          ("none", set())])
 def test_helm_chart_renders_valid_objects_with_one_autoscaler(mode, kinds):
     docs = _render_chart(autoscaling__mode=mode)
     for doc in docs:
         _validate(doc)
+        if doc["kind"] == "ConfigMap":  # the prometheus-adapter rule
+            jsonschema.validate(yaml.safe_load(doc["data"]["config.yaml"]), ADAPTER_RULES)
     by_kind = {d["kind"] for d in docs}
     assert by_kind - {"Deployment", "Service", "Secret", "PersistentVolumeClaim", "ServiceMonitor"} == kinds
     deployment = next(d for d in docs if d["kind"] == "Deployment")
@@ -141,8 +139,11 @@ def test_helm_chart_matches_the_plain_manifests():
             == plain["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
     assert rendered["ScaledObject"]["spec"]["triggers"] == plain["ScaledObject"]["spec"]["triggers"]
     assert rendered["ServiceMonitor"]["spec"]["endpoints"] == plain["ServiceMonitor"]["spec"]["endpoints"]
-    hpa = {d["kind"]: d for d in _render_chart(autoscaling__mode="hpa")}["HorizontalPodAutoscaler"]
-    assert hpa["spec"]["metrics"] == plain["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    hpa_mode = {d["kind"]: d for d in _render_chart(autoscaling__mode="hpa")}
+    assert hpa_mode["HorizontalPodAutoscaler"]["spec"]["metrics"] == plain["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    # The adapter rule, its PromQL taken from values.yaml, is the plain one.
+    assert (yaml.safe_load(hpa_mode["ConfigMap"]["data"]["config.yaml"])
+            == yaml.safe_load(plain["ConfigMap"]["data"]["config.yaml"]))
 
 
 def test_helm_values_refuse_an_unknown_autoscaling_mode():
@@ -156,3 +157,48 @@ def test_subset_renderer_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="values do not have"):
         render("{{ .Values.missing }}", {})
     assert render("a:{{- if eq .Values.m \"x\" }} 1{{ else }} 2{{ end }}", {"m": "x"}) == "a: 1"
+    assert render("a:\n  {{- .Values.m }} {{ .Values.m -}}\n b", {"m": "x"}) == "a:x xb"
+    with pytest.raises(ValueError, match="unsupported"):
+        render("{{-.Values.m }}", {"m": "x"})  # Go needs the space after the trim marker
+
+
+@pytest.fixture(scope="module")
+def helm():
+    """helm_python: Helm v4's Go SDK (libhelm_c) from PyPI's helm-python-sdk."""
+    return require("helm_python", "helm-python-sdk")
+
+
+def _helm_template(helm, **values) -> list[dict]:
+    """`helm template tokenmill deploy/helm/tokenmill` with `values` over values.yaml, by Helm's own engine."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="tokenmill", namespace="default", is_install=True)
+    return [d for _, text in sorted(manifests.items()) for d in _docs(text)]
+
+
+@pytest.mark.parametrize("mode, kinds", [("keda", {"ScaledObject"}), ("hpa", {"HorizontalPodAutoscaler", "ConfigMap"}),
+                                         ("none", set())])
+def test_helm_template_renders_valid_objects_equal_to_the_subset_renderer(helm, mode, kinds):
+    docs = _helm_template(helm, autoscaling={"mode": mode})
+    for doc in docs:
+        _validate(doc)
+    assert {d["kind"] for d in docs} - {"Deployment", "Service", "Secret", "PersistentVolumeClaim",
+                                        "ServiceMonitor"} == kinds
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert ("replicas" in deployment["spec"]) == (mode == "none")
+    # helm_subset.py, used where the wheel is missing, renders exactly what Helm renders.
+    by_kind = {d["kind"]: d for d in docs}
+    assert by_kind == {d["kind"]: d for d in _render_chart(autoscaling__mode=mode)}
+    assert len(by_kind) == len(docs)
+
+
+def test_helm_lint_strict_finds_nothing_above_info(helm):
+    report = helm.lint(str(CHART), strict=True, kube_version="v1.30.0")
+    assert report["total_charts_linted"] == 1 and report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+def test_helm_refuses_an_unknown_autoscaling_mode_by_the_values_schema(helm):
+    with pytest.raises(helm.HelmValuesError, match="autoscaling/mode"):
+        _helm_template(helm, autoscaling={"mode": "both"})
+    with pytest.raises(helm.HelmValuesError, match="seriesQuery"):
+        _helm_template(helm, autoscaling={"hpa": {"seriesQuery": ""}})

@@ -49,10 +49,12 @@ def dashboard_exprs(prefix: str) -> dict[str, str]:
 
 
 def autoscaling_exprs() -> dict[str, str]:
-    """The KEDA query (plain manifest = Helm values) and the adapter rule's query for one pod label set."""
+    """The KEDA query and the adapter rule's queries (plain manifests = Helm values), for one pod label set."""
     keda = yaml.safe_load(KEDA.read_text())["spec"]["triggers"][0]["metadata"]["query"]
     assert keda == yaml.safe_load(HELM_VALUES.read_text())["autoscaling"]["keda"]["query"]
     (rule,) = yaml.safe_load(yaml.safe_load(ADAPTER.read_text())["data"]["config.yaml"])["rules"]
+    hpa_values = yaml.safe_load(HELM_VALUES.read_text())["autoscaling"]["hpa"]
+    assert (rule["seriesQuery"], rule["metricsQuery"]) == (hpa_values["seriesQuery"], hpa_values["metricsQuery"])
     series = rule["seriesQuery"].split("{")[0].strip("'")
     # In a cluster the adapter fills in namespace/pod; the test's target has job/instance labels.
     adapter = (rule["metricsQuery"].replace("<<.Series>>", series).replace("<<.LabelMatchers>>", 'job="tokenmill"')
@@ -151,6 +153,9 @@ def test_dashboard_and_autoscaling_queries_under_a_burst(server, tmp_path):
         assert prom.scalar(queue_query) == 0.0
         # One bad request, so the error panels see a 4xx series too.
         assert http("POST", f"{server.base}/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
+        # It reaches the error panels: its series existed at 0 before it, so increase() counts it.
+        poll("the 400 seen by increase()", lambda: (prom.scalar(
+            f'sum(increase(tokenmill:http_responses_total{{status="400"}}[{RATE_WINDOW}]))') or 0) > 0.5, 30)
         errors: list[str] = []
         threads = [threading.Thread(target=_complete, args=(server.base, i, errors)) for i in range(BURST)]
         started = time.time()

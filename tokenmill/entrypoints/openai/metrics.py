@@ -41,6 +41,10 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+# Status codes the server sends itself (errors.py, request_guard.py, auth.py, unbuilt_routes.py), created
+# at 0: a counter series that first appears at 1 loses that response in rate()/increase(), so without
+# this a pod's first 400 or 503 would never reach the dashboard's error panels.
+HTTP_STATUSES = (200, 400, 401, 404, 413, 415, 500, 501, 503)
 
 
 def vllm_names_from_env() -> bool:
@@ -87,6 +91,8 @@ class _MetricSet:
         # Exported as <prefix>http_responses_total{model_name, status="200"|"429"|...}.
         self.http_responses = Counter(p + "http_responses", "HTTP responses sent, by status code.",
                                       ["model_name", "status"], registry=registry)
+        for status in HTTP_STATUSES:
+            self.http_responses.labels(model_name, str(status))
         self.model_name = model_name
 
 
