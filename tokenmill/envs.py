@@ -197,6 +197,12 @@ def ray_address() -> str | None:
 # ---- model download, serving ------------------------------------------------------------------------------------
 
 
+def default_host() -> str:
+    """TOKENMILL_HOST: the address `--host` defaults to (default 127.0.0.1, local clients only; the container
+    images set 0.0.0.0 so that `docker run -p` reaches the server as with vLLM's image)."""
+    return get_str("TOKENMILL_HOST") or "127.0.0.1"
+
+
 def use_modelscope() -> bool:
     """TOKENMILL_USE_MODELSCOPE (alias VLLM_USE_MODELSCOPE): download repo ids from ModelScope instead of
     the Hugging Face Hub (default off)."""

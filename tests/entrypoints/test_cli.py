@@ -26,6 +26,18 @@ def test_serve_defaults_are_local_and_help_names_device_defaults(capsys):
     assert "127.0.0.1" in text
 
 
+def test_tokenmill_host_sets_the_default_address(monkeypatch):
+    # The container images set TOKENMILL_HOST=0.0.0.0 so that `docker run -p` and a replaced entrypoint
+    # (python3 -m tokenmill.entrypoints.openai.api_server) listen on every interface; --host still wins.
+    from tokenmill.entrypoints.openai.http_options import http_options_from_args
+
+    monkeypatch.setenv("TOKENMILL_HOST", "0.0.0.0")
+    assert http_options_from_args(make_parser().parse_args(["serve"])).host == "0.0.0.0"
+    assert http_options_from_args(make_parser().parse_args(["serve", "--host", "127.0.0.2"])).host == "127.0.0.2"
+    monkeypatch.delenv("TOKENMILL_HOST")
+    assert http_options_from_args(make_parser().parse_args(["serve"])).host == "127.0.0.1"
+
+
 def test_bad_engine_argument_exits_1_with_the_sentence(capsys):
     code = main(["serve", "--max-num-seqs", "0"])
     assert code == 1

@@ -116,7 +116,7 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--pipeline-parallel-size", "Pipeline stages (-pp).", ("--pipeline-parallel-size", "2")),
     _i("--distributed-executor-backend", "mp, ray or uni.", ("--distributed-executor-backend", "uni")),
     # --- server ---
-    _i("--host", "Address to listen on (default 127.0.0.1).", ("--host", "0.0.0.0")),
+    _i("--host", "Address to listen on (default env TOKENMILL_HOST, else 127.0.0.1).", ("--host", "0.0.0.0")),
     _i("--port", "TCP port (1-65535; default 8000).", ("--port", "8123")),
     _i("--uvicorn-log-level", "uvicorn's log level.", ("--uvicorn-log-level", "warning")),
     _i("--disable-uvicorn-access-log", "No log line per HTTP request.", ("--disable-uvicorn-access-log",)),

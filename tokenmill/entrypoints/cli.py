@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.version import get_version
 
 # command name -> (module, one-line help); see the module docstring.
@@ -81,9 +82,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(default: the bundled SmolLM2-135M-Instruct).")
     parser.add_argument("--model", default=None, help="Same as the positional MODEL (vLLM spelling).")
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
+    g.add_argument("--host", default=envs.default_host(),
                    help="Address to listen on. The default only accepts local clients; use 0.0.0.0 to expose "
-                        "the server to the network (set --api-key then). Default 127.0.0.1.")
+                        "the server to the network (set --api-key then). Default env TOKENMILL_HOST, else "
+                        "127.0.0.1.")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on, 0-65535 (default 8000).")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.entrypoints.openai.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -118,7 +119,7 @@ def http_options_from_args(args: Any) -> HTTPOptions:
     ssl = {f"ssl_{k}": get(f"ssl_{k}") for k in ("keyfile", "certfile", "ca_certs", "cert_reqs")
            if get(f"ssl_{k}") is not None}
     return HTTPOptions(
-        host=get("host", "127.0.0.1"), port=get("port", 8000), uvicorn_log_level=get("uvicorn_log_level", "info"),
+        host=get("host") or envs.default_host(), port=get("port", 8000), uvicorn_log_level=get("uvicorn_log_level", "info"),
         access_log=not get("disable_uvicorn_access_log", False), root_path=get("root_path") or "", ssl=ssl,
         cors=cors, middleware=list(get("middleware") or []), docs=not get("disable_fastapi_docs", False),
         log_requests=bool(get("enable_log_requests")) and not get("disable_log_requests"),
