@@ -91,6 +91,12 @@ def dense_grid(m: int, cc70: bool) -> list[dict]:
         return out
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
+        # The tensor-core GEMV (quant_dot.py): (block_n, block_k, warps, stages, programs per SM).
+        for bn, bk, warps, stages, spm in [(128, 128, 4, 4, 4), (128, 128, 4, 3, 8), (256, 128, 8, 3, 4),
+                                           (64, 128, 4, 4, 8), (128, 64, 4, 4, 4), (256, 128, 8, 4, 2),
+                                           (64, 128, 2, 4, 8)]:
+            out.append(dict(path="dot", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                            spm=spm))
         for bn, warps, stages, one in [(64, 4, 3, False), (128, 4, 3, False), (64, 2, 3, False)]:
             out.append(dict(path="splitk", block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
                             one_dot=one))

@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.nvidia.compiler import get_ptxas
     from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_matmul_kernel
     from tokenmill.kernels.triton.quant_gemv import quant_gemv_kernel
+    from tokenmill.kernels.triton.quant_dot import quant_dot_kernel
     from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
 
@@ -99,6 +100,11 @@ SCRIPT = textwrap.dedent(
                                gemv_cx(4, True, True, 1, 32, 16, False), 4, 1))
     results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
                                gemv_cx(4, False, True, 4, 16, 32, False), 4, 1))
+    # The tensor-core GEMV (cc >= 8.0 only; its PTX dequantization in bf16x2 and f16x2).
+    for act in ("*bf16", "*fp16"):
+        results.append(compile_one("dot_m16_" + act[1:], quant_dot_kernel, 90, gemv_ptrs(act, "*fp32"),
+                                   dict(HAS_ZEROS=True, HAS_BIAS=True, PARTIAL=True, CLAMP_FP16=act == "*fp16",
+                                        ASM=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 4, 4))
     bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
     print(json.dumps(results))
@@ -114,7 +120,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
         ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
-        ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("moe_grouped", 90),
+        ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
     ]
     for r in results:
         assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r

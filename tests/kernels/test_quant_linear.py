@@ -76,7 +76,7 @@ def test_paths_match_dequantize_then_matmul(nan_outputs, path, bits, group_size,
 
 @pytest.mark.parametrize("m", [1, 16, 17, 300])
 def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
-    # Default plan at cc 9.0 (the interpreter's device facts): split-K up to 32 rows, then the tiled GEMM up to
+    # Default plan at cc 9.0 (the interpreter's device facts; group 32 rules out the tensor-core GEMV): split-K up to 32 rows, then the tiled GEMM up to
     # 64 and dequantize + cuBLAS above (300 rows); large_m_min = 256 keeps 300 rows on cuBLAS too.
     w = random_quant(37, 200, 4, 32, True, False, device=DEV, seed=m)
     x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(DEV)
@@ -163,7 +163,7 @@ def test_plan_thresholds_and_split_k():
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
     # The thresholds of the H200 sweep (quant_linear.py's constants).
     assert [plan(m, 4096, (9, 0)).path for m in (1, 2, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
-        ["gemv", "gemv", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
+        ["gemv", "dot", "dot", "dot", "dot", "dot", "tiled", "tiled", "cublas", "cublas"]
     assert [plan(m, 4096, (7, 0)).path for m in (1, 2, 8, 300)] == ["gemv", "cublas", "cublas", "cublas"]
     assert plan(5, 4096, (9, 0)).use_dot and plan(17, 4096, (9, 0)).block_m == 32
     assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(1, 4096, (9, 0)).block_n == ql.GEMV_BLOCK_N
@@ -305,6 +305,25 @@ def test_gpu_real_sizes_every_path(dtype, n, k, bits, group_size, zeros, act_ord
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros", [True, False])
+def test_gpu_tensor_core_gemv_real_sizes(dtype, n, k, zeros):
+    # The PTX dequantization (quant_dot.py) against dequantize-then-matmul, every decode M up to 64.
+    w = random_quant(n, k, 4, 128, zeros, False, dtype=dtype, device="cuda")
+    ref_w = dense(w, dtype).float()
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (1, 7, 16, 33, 64):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        plan = ql.QuantLinearPlan("dot", block_m=max(16, 1 << (m - 1).bit_length()), block_n=128, block_k=128,
+                                  num_warps=4, num_stages=4)
+        y = ql.quant_linear(x, w, bias, plan=plan)
+        ref = x.float() @ ref_w.t() + bias.float()
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (m, err)
+
+
+@pytest.mark.gpu
 def test_gpu_force_cc70_env_takes_the_cc70_plan(monkeypatch):
     monkeypatch.setenv("TOKENMILL_FORCE_CC70", "1")
     splitk._device_facts.cache_clear()
@@ -328,3 +347,24 @@ def test_gpu_decode_is_cuda_graph_safe():
     graph.replay()
     ref = x.float() @ dense(w, torch.bfloat16).float().t()
     assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("group_size,zeros,k", [(128, True, 256), (64, False, 192), (-1, True, 128)])
+def test_tensor_core_gemv_matches_dequantize_then_matmul(nan_outputs, group_size, zeros, k):
+    # quant_dot.py: one group per K tile (block_k 64 here divides the group size), nibble-permuted K order on
+    # both sides; under the interpreter the plain-Triton dequantization (the PTX one runs on GPUs), float32 x
+    # (the interpreter's bfloat16 tl.dot is wrong; the GPU tests cover bf16/fp16). M from 1 to 20 (two M tiles
+    # of 16), N = 37 not a multiple of BLOCK_N, split-K 1 and 2.
+    w = random_quant(37, k, 4, group_size, zeros, False, device=DEV, seed=k + group_size)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(2)).to(DEV)
+    for m, split_k in ((1, 1), (3, 2), (20, 2)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+        plan = ql.QuantLinearPlan("dot", block_m=16, block_n=32, block_k=64, split_k=split_k, num_warps=4)
+        _check(ql.quant_linear(x, w, bias if m != 3 else None, plan=plan), x, w, bias if m != 3 else None)
+
+
+def test_tensor_core_gemv_refuses_weights_it_cannot_take():
+    w = random_quant(8, 256, 4, 32, True, False, device=DEV)  # group 32 < block_k 64
+    with pytest.raises(ValueError, match="tensor-core GEMV"):
+        ql.quant_linear(torch.randn(1, 256).to(DEV), w, plan=ql.QuantLinearPlan("dot", 16, 32, 64, 1))
+    assert ql.plan_quant_linear(1, 8, w, (9, 0), 132).path != "dot"

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+from tokenmill.kernels.triton.quant_dot import dot_supported, quant_dot_kernel
 from tokenmill.kernels.triton.quant_gemv import gemv_supported, quant_gemv_kernel, words_per_group
 from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel, store_tile
 
@@ -91,13 +92,22 @@ SMALL_M_MAX_CC70 = 1
 # per SM (divided by the power of two of M). H200 sweep (benchmarks/gpu/results/session8/sweep2.log): one-warp
 # programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM,
 # and at M = 2 with ~8 (0.82-0.88x of bf16, level with or ahead of split-K); from M = 4 split-K is faster.
-GEMV_M_MAX = 2
+GEMV_M_MAX = 1
 GEMV_M_MAX_CC70 = 1
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_KW = 16
 GEMV_WARPS = 1
 GEMV_STAGES = 1
 GEMV_PROGRAMS_PER_SM = 16
+# GEMV_M_MAX < M <= DOT_M_MAX (cc >= 8.0; 4-bit, no act-order, group size a multiple of DOT_BLOCK_K): the
+# tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile), with these tiles. Chosen from the
+# instruction count (ptxas/cuobjdump for sm_90a: ~3.5 per 4-bit value at any M <= 32, against ~8 for the
+# split-K kernel and ~9 for the FMA GEMV at M = 2); the H200 sweep of session 8 measures it.
+DOT_M_MAX = 32
+DOT_BLOCK_N = 128
+DOT_BLOCK_K = 128
+DOT_WARPS = 4
+DOT_STAGES = 4
 
 
 @triton.jit
@@ -362,7 +372,8 @@ def kernel_groups(w: QuantTensors, block_k: int, packed_groups: bool = True) -> 
 class QuantLinearPlan:
     """How `quant_linear` computes one call, and its launch settings.
 
-    path: "gemv" (`quant_gemv_kernel`), "splitk" / "tiled" (`quant_matmul_kernel`), "cublas" (dequantize +
+    path: "gemv" (`quant_gemv_kernel`), "dot" (`quant_dot_kernel`), "splitk" / "tiled" (`quant_matmul_kernel`),
+    "cublas" (dequantize +
     F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
     of K slices (float32 partials + `splitk_reduce_kernel` when > 1); use_dot False: float32 FMAs instead of
     tl.dot in `quant_matmul_kernel`. Pass one to `quant_linear(plan=...)` to override the planner (sweeps).
@@ -417,6 +428,9 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
         return finish_plan(QuantLinearPlan("gemv", bm, GEMV_BLOCK_N, GEMV_BLOCK_KW * pack_factor(w.bits), 0, False,
                                            GEMV_WARPS, 1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k,
                            programs_per_sm=max(1, GEMV_PROGRAMS_PER_SM // bm))
+    if not cc70 and m <= DOT_M_MAX and dot_supported(w.g_idx is not None, w.bits, w.group_size, k, DOT_BLOCK_K):
+        return finish_plan(QuantLinearPlan("dot", max(16, triton.next_power_of_2(m)), DOT_BLOCK_N, DOT_BLOCK_K, 0,
+                                           True, DOT_WARPS, DOT_STAGES), m, n, k, num_sms, split_k)
     if m > small and (m > large or cc70):
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
@@ -452,7 +466,7 @@ def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
         # stream HBM), ~2 per SM for the tiled GEMM (whose extra K slices cost float32 partial traffic),
         # GEMV_PROGRAMS_PER_SM for the GEMV (small programs, low registers).
         if programs_per_sm is None:
-            programs_per_sm = {"splitk": 4, "tiled": 2}.get(path, GEMV_PROGRAMS_PER_SM)
+            programs_per_sm = {"splitk": 4, "dot": 4, "tiled": 2}.get(path, GEMV_PROGRAMS_PER_SM)
         target = programs_per_sm * num_sms
         split_k = max(1, min(target // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
     split_k = max(1, min(split_k, k_tiles))
@@ -498,6 +512,21 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
             PARTIAL=partial, CLAMP_FP16=clamp, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_KW=block_kw,
             ASM=x.is_cuda,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+    elif plan.path == "dot":
+        if not dot_supported(w.g_idx is not None, w.bits, w.group_size, k, plan.block_k):
+            raise ValueError(f"The tensor-core GEMV takes 4-bit weights without act-order whose K and group size "
+                             f"are multiples of block_k {plan.block_k}; plan another path.")
+        quant_dot_kernel[(triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)](
+            x, w.qweight, w.scales, qz, bias if bias is not None else w.scales, target,
+            m, n, k, k if w.group_size == -1 else w.group_size, per,
+            x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0),
+            w.scales.stride(1), qz.stride(0), qz.stride(1),
+            target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
+            HAS_ZEROS=w.qzeros is not None, HAS_BIAS=bias is not None, PARTIAL=partial, CLAMP_FP16=clamp,
+            ASM=x.is_cuda and x.dtype in (torch.float16, torch.bfloat16), BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8, num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
         )
     else:
         quant_matmul_kernel[(triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), plan.split_k)](
