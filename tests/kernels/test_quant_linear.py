@@ -76,8 +76,9 @@ def test_paths_match_dequantize_then_matmul(nan_outputs, path, bits, group_size,
 
 @pytest.mark.parametrize("m", [1, 16, 17, 300])
 def test_default_thresholds_a_few_hundred_rows(nan_outputs, m):
-    # Default plan at cc 9.0 (the interpreter's device facts; group 32 rules out the tensor-core GEMV): split-K up to 32 rows, then the tiled GEMM up to
-    # 64 and dequantize + cuBLAS above (300 rows); large_m_min = 256 keeps 300 rows on cuBLAS too.
+    # Default plan at cc 9.0 (the interpreter's device facts; group 32 rules out the tensor-core GEMV): split-K
+    # up to 32 rows, then the tiled GEMM up to 64 and dequantize + cuBLAS above (300 rows); large_m_min = 256
+    # keeps 300 rows on cuBLAS too.
     w = random_quant(37, 200, 4, 32, True, False, device=DEV, seed=m)
     x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(DEV)
     _check(ql.quant_linear(x, w, capability=(9, 0)), x, w)
