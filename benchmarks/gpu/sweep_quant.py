@@ -100,6 +100,11 @@ def dense_grid(m: int, cc70: bool) -> list[dict]:
         for bn, warps, stages, one in [(64, 4, 3, False), (128, 4, 3, False), (64, 2, 3, False)]:
             out.append(dict(path="splitk", block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
                             one_dot=one))
+    if m >= 64:
+        # The tensor-core kernel with M tiles (x gathered in the nibble order): does it beat dequantize + cuBLAS?
+        for bm, bn, warps, stages in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3)]:
+            out.append(dict(path="dot", block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
+                            spm=2))
     if m >= 32:
         cap_m = max(32, 1 << (m - 1).bit_length())
         for bm, bn, warps, stages, one in [(32, 128, 4, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
