@@ -128,7 +128,10 @@ def moe_grid(t: int) -> list[dict]:
         if bm > 16 and pairs <= 128:
             continue  # decode: most tiles hold one or two pairs
         out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, one_dot=one))
-    return out[:12]
+    out = out[:10]
+    # The tiles without the PTX dequantization (on by default where quant_dot.dot_supported), for comparison.
+    out += [dict(out[0], ptx_deq=False), dict(out[-1], ptx_deq=False)]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,6 +260,8 @@ def cfg_label(cfg: dict) -> str:
         parts.append(f"k{cfg['split_k']}")
     if cfg.get("one_dot"):
         parts.append("1dot")
+    if cfg.get("ptx_deq") is False:
+        parts.append("no-ptx")
     return " ".join(parts)
 
 

@@ -34,6 +34,7 @@ from tokenmill.kernels.quant_pack import QuantTensors
 from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
 from tokenmill.kernels.triton import quant_linear as _ql
 from tokenmill.kernels.triton.quant_linear import _accumulate_tile, block_k_for, check_quant_tensors, kernel_groups
+from tokenmill.kernels.triton.quant_dot import accumulate_dot_tile, dot_supported
 from tokenmill.kernels.triton.splitk import device_facts
 
 
@@ -61,6 +62,8 @@ def grouped_quant_gemm_kernel(
     IEEE_FP32: tl.constexpr,
     CLAMP_FP16: tl.constexpr,
     ONE_DOT: tl.constexpr,  # quant_linear._accumulate_tile's single-dot variant
+    PTX_DEQ: tl.constexpr,  # quant_dot.accumulate_dot_tile (4-bit, one group per K tile): packed 16-bit dequant
+    ASM: tl.constexpr,  # with PTX_DEQ: the PTX dequantization (16-bit activations on CUDA), else plain Triton
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,9 +90,15 @@ def grouped_quant_gemm_kernel(
     # dot's A operand, straight from registers; quant_linear's kernel does the same).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        acc = _accumulate_tile(acc, a_ptr, a_rows, pair_mask, stride_am, stride_ak, qw_e, s_e, z_e, g_e, offs_n, n_mask,
-                               kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn,
-                               stride_zg, BITS, HAS_ZEROS, GROUP_MODE, True, IEEE_FP32, BLOCK_K, ONE_DOT)
+        if PTX_DEQ:
+            acc = accumulate_dot_tile(acc, a_ptr, a_rows.to(tl.int64), pair_mask, stride_am, stride_ak, qw_e, s_e, z_e,
+                                      offs_n.to(tl.int64), n_mask, kt, group_size, stride_qn, stride_qk, stride_sn,
+                                      stride_sg, stride_zn, stride_zg, HAS_ZEROS, ASM, BLOCK_N, BLOCK_K)
+        else:
+            acc = _accumulate_tile(acc, a_ptr, a_rows, pair_mask, stride_am, stride_ak, qw_e, s_e, z_e, g_e, offs_n,
+                                   n_mask, kt * BLOCK_K, K, group_size, stride_qn, stride_qk, stride_sn, stride_sg,
+                                   stride_zn, stride_zg, BITS, HAS_ZEROS, GROUP_MODE, True, IEEE_FP32, BLOCK_K,
+                                   ONE_DOT)
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
         acc = acc * rw[None, :]
@@ -113,6 +122,7 @@ class GroupedQuantConfig:
     num_warps: int = 4
     num_stages: int = 0
     one_dot: bool = False
+    ptx_deq: bool | None = None  # None: on wherever `quant_dot.dot_supported` and cc >= 8.0
 
 
 def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -129,6 +139,13 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
     mode, gsize, g_idx = kernel_groups(w, block_k)
     qz = w.qzeros if w.qzeros is not None else w.scales
     gi = g_idx if g_idx is not None else w.qweight
+    ptx = cfg.ptx_deq
+    if ptx is None:
+        ptx = device_facts(a.device)[0] >= (8, 0) and dot_supported(w.g_idx is not None, w.bits, w.group_size,
+                                                                    w.in_features, block_k)
+    elif ptx and not dot_supported(w.g_idx is not None, w.bits, w.group_size, w.in_features, block_k):
+        raise ValueError(f"ptx_deq needs 4-bit experts without act-order whose K and group size are multiples of "
+                         f"block_k {block_k}.")
     grid = (tile_expert_ids.numel(), triton.cdiv(n, block_n))
     grouped_quant_gemm_kernel[grid](
         a, w.qweight, w.scales, qz, gi, c, topk_weights if topk_weights is not None else c,
@@ -141,7 +158,8 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
         c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BITS=w.bits,
         HAS_ZEROS=w.qzeros is not None, GROUP_MODE=mode, IEEE_FP32=a.dtype == torch.float32,
-        CLAMP_FP16=c.dtype == torch.float16, ONE_DOT=cfg.one_dot, BLOCK_M=block_m, BLOCK_N=block_n,
+        CLAMP_FP16=c.dtype == torch.float16, ONE_DOT=cfg.one_dot, PTX_DEQ=ptx,
+        ASM=a.is_cuda and a.dtype in (torch.float16, torch.bfloat16), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages or num_stages,
     )
 

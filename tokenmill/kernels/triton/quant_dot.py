@@ -97,6 +97,35 @@ _CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
 
 
 @triton.jit
+def accumulate_dot_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, offs_n64, n_mask, kt,
+                        group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
+                        HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc^T [BLOCK_N, R] += W[offs_n, K tile kt] @ x[rows, K tile kt]^T: the tile's words dequantized by
+    `_dequant_words` (one group per tile), x gathered in the same nibble order (rows: int64 row indices of x,
+    any order, e.g. the fused-MoE's token rows). Shared by `quant_dot_kernel` and the int4 fused MoE."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    p = tl.arange(0, BLOCK_K)
+    x_col = (p // 8) * 8 + ((p % 8) // 2) + 4 * (p % 2)  # column of x that dequantized slot p multiplies
+    offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
+                    mask=n_mask[:, None], other=0)
+    g = (kt * BLOCK_K) // group_size
+    s = tl.load(s_ptr + offs_n64 * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + offs_n64 * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)[:, None]
+    else:
+        z = tl.full((BLOCK_N, 1), 8.0, tl.float32)
+    w = _dequant_words(words, s, z, x_ptr.dtype.element_ty, ASM, BLOCK_N, BLOCK_KW)
+    xt = tl.load(x_ptr + rows[None, :] * stride_xm + (kt * BLOCK_K + x_col)[:, None] * stride_xk,
+                 mask=row_mask[None, :], other=0.0)  # [BLOCK_K, R]
+    if x_ptr.dtype.element_ty == tl.float32:
+        acc += tl.dot(w, xt, input_precision="ieee")
+    else:
+        acc += tl.dot(w, xt)
+    return acc
+
+
+@triton.jit
 def quant_dot_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32
     qw_ptr,  # int32 [N, K / 8]
@@ -119,7 +148,6 @@ def quant_dot_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] output tile over the K tiles of slice program_id(1) (module docstring); K must be
     a multiple of BLOCK_K (the caller checks)."""
-    BLOCK_KW: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k, k_start, k_end = k_slice(K, k_tiles_per_split, BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,26 +156,11 @@ def quant_dot_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_n64 = offs_n.to(tl.int64)
-    p = tl.arange(0, BLOCK_K)
-    x_col = (p // 8) * 8 + ((p % 8) // 2) + 4 * (p % 2)  # column of x that dequantized slot p multiplies
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_start, k_end):
-        offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
-        words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
-                        mask=n_mask[:, None], other=0)
-        g = (kt * BLOCK_K) // group_size
-        s = tl.load(s_ptr + offs_n64 * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n64 * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)[:, None]
-        else:
-            z = tl.full((BLOCK_N, 1), 8.0, tl.float32)
-        w = _dequant_words(words, s, z, x_ptr.dtype.element_ty, ASM, BLOCK_N, BLOCK_KW)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (kt * BLOCK_K + x_col)[:, None] * stride_xk,
-                     mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-        if x_ptr.dtype.element_ty == tl.float32:
-            acc += tl.dot(w, xt, input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        acc = accumulate_dot_tile(acc, x_ptr, offs_m, m_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, offs_n64,
+                                  n_mask, kt, group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn,
+                                  stride_zg, HAS_ZEROS, ASM, BLOCK_N, BLOCK_K)
     store_tile(acc, out_ptr, bias_ptr, pid_k, offs_m, offs_n64, offs_n, n_mask, n_mask[:, None] & m_mask[None, :],
                stride_os, stride_om, stride_on, HAS_BIAS, PARTIAL, CLAMP_FP16)
 
