@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent(
                 "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
                 "num_pairs_post_padded_ptr": "*i32"}
     moe_cx = dict(TOP_K_DIV=8, MUL_ROUTED_WEIGHT=False, BITS=4, HAS_ZEROS=True, GROUP_MODE=0, IEEE_FP32=False,
-                  CLAMP_FP16=True, ONE_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+                  CLAMP_FP16=True, ONE_DOT=False, PTX_DEQ=False, ASM=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 70, moe_ptrs, moe_cx, 4, 1))
     # cc 9.0, bfloat16: split-K with tl.dot on 16-row tiles, the 128 x 128 tiled GEMM, the MoE kernel.
     results.append(compile_one("splitk_dot_m16", quant_matmul_kernel, 90, mm_ptrs("*bf16", "*fp32"),
@@ -107,6 +107,8 @@ SCRIPT = textwrap.dedent(
                                         ASM=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 4, 4))
     bf = {n: ("*bf16" if t == "*fp16" else t) for n, t in moe_ptrs.items()}
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
+    results.append(compile_one("moe_grouped_ptx", grouped_quant_gemm_kernel, 90, bf,
+                               dict(moe_cx, CLAMP_FP16=False, PTX_DEQ=True, ASM=True), 4, 2))
     print(json.dumps(results))
     """
 )
@@ -121,6 +123,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
         ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
+        ("moe_grouped_ptx", 90),
     ]
     for r in results:
         assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r
