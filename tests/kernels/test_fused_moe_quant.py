@@ -81,6 +81,20 @@ def test_gelu_and_group_64_and_128():
     _check(fused_experts_quant_triton(x, w13, w2, weights, ids, "gelu"), x, w13, w2, weights, ids, "gelu")
 
 
+@pytest.mark.parametrize("zeros", [True, False])
+def test_ptx_dequant_tile_matches_reference(nan_outputs, zeros):
+    # quant_dot.accumulate_dot_tile inside the grouped kernel (plain-Triton math under the interpreter; the PTX
+    # on GPUs): K = 256 and 128 are whole K tiles of 128 with one group each; float32 activations.
+    w13 = random_quant(2 * 128, 256, 4, 128, zeros, False, experts=3, device=DEV, seed=5)
+    w2 = random_quant(256, 128, 4, 128, zeros, False, experts=3, seed=6, device=DEV)
+    x, weights, ids = _routing(5, 256, 3, 2)
+    out = fused_experts_quant_triton(x, w13, w2, weights, ids, config=GroupedQuantConfig(ptx_deq=True))
+    _check(out, x, w13, w2, weights, ids)
+    w13_g32 = random_quant(2 * 128, 256, 4, 32, zeros, False, experts=3, device=DEV)  # 4 groups per K tile
+    with pytest.raises(ValueError, match="ptx_deq"):
+        fused_experts_quant_triton(x, w13_g32, w2, weights, ids, config=GroupedQuantConfig(ptx_deq=True))
+
+
 def test_float16_activations():
     w13, w2 = _experts(4, 64, 32, 4, 32, True, False, dtype=torch.float16)
     x, weights, ids = _routing(5, 64, 4, 2, dtype=torch.float16)
@@ -135,6 +149,17 @@ def test_gpu_qwen3_moe_shapes(num_tokens, dtype, bits, group_size, zeros, act_or
     ref = fused_experts_reference(x.float(), dense(w13, dtype).float(), dense(w2, dtype).float(), weights, ids)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_qwen3_moe_shapes_ptx_dequant(num_tokens, dtype):
+    w13, w2 = _experts(128, 2048, 768, 4, 128, True, False, dtype=dtype)
+    x, weights, ids = _routing(num_tokens, 2048, 128, 8, dtype=dtype)
+    out = fused_experts_quant_triton(x, w13, w2, weights, ids, config=GroupedQuantConfig(ptx_deq=True))
+    ref = fused_experts_reference(x.float(), dense(w13, dtype).float(), dense(w2, dtype).float(), weights, ids)
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < (2e-2 if dtype == torch.bfloat16 else 5e-3)
 
 
 @pytest.mark.gpu

@@ -164,7 +164,7 @@ def test_plan_thresholds_and_split_k():
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
     # The thresholds of the H200 sweep (quant_linear.py's constants).
     assert [plan(m, 4096, (9, 0)).path for m in (1, 2, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
-        ["gemv", "dot", "dot", "dot", "dot", "dot", "tiled", "tiled", "cublas", "cublas"]
+        ["gemv", "gemv", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
     assert [plan(m, 4096, (7, 0)).path for m in (1, 2, 8, 300)] == ["gemv", "cublas", "cublas", "cublas"]
     assert plan(5, 4096, (9, 0)).use_dot and plan(17, 4096, (9, 0)).block_m == 32
     assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(1, 4096, (9, 0)).block_n == ql.GEMV_BLOCK_N

@@ -108,6 +108,10 @@ def grouped_quant_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & pair_mask[None, :])
 
 
+# The fused MoE's PTX dequantization tile (`quant_dot.accumulate_dot_tile`) by default where it applies.
+PTX_DEQ_DEFAULT = False
+
+
 @dataclass(frozen=True)
 class GroupedQuantConfig:
     """Launch settings of `grouped_quant_gemm_kernel` (0 / None: the default picked per call).
@@ -122,7 +126,8 @@ class GroupedQuantConfig:
     num_warps: int = 4
     num_stages: int = 0
     one_dot: bool = False
-    ptx_deq: bool | None = None  # None: on wherever `quant_dot.dot_supported` and cc >= 8.0
+    # The PTX dequantization tile; None: the default PTX_DEQ_DEFAULT (off until an H200 run has checked and timed it).
+    ptx_deq: bool | None = None
 
 
 def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -141,8 +146,8 @@ def _grouped_quant_gemm(a: torch.Tensor, w: QuantTensors, c: torch.Tensor, topk_
     gi = g_idx if g_idx is not None else w.qweight
     ptx = cfg.ptx_deq
     if ptx is None:
-        ptx = device_facts(a.device)[0] >= (8, 0) and dot_supported(w.g_idx is not None, w.bits, w.group_size,
-                                                                    w.in_features, block_k)
+        ptx = PTX_DEQ_DEFAULT and device_facts(a.device)[0] >= (8, 0) and dot_supported(
+            w.g_idx is not None, w.bits, w.group_size, w.in_features, block_k)
     elif ptx and not dot_supported(w.g_idx is not None, w.bits, w.group_size, w.in_features, block_k):
         raise ValueError(f"ptx_deq needs 4-bit experts without act-order whose K and group size are multiples of "
                          f"block_k {block_k}.")

@@ -92,7 +92,7 @@ SMALL_M_MAX_CC70 = 1
 # per SM (divided by the power of two of M). H200 sweep (benchmarks/gpu/results/session8/sweep2.log): one-warp
 # programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM,
 # and at M = 2 with ~8 (0.82-0.88x of bf16, level with or ahead of split-K); from M = 4 split-K is faster.
-GEMV_M_MAX = 1
+GEMV_M_MAX = 2
 GEMV_M_MAX_CC70 = 1
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_KW = 16
@@ -100,10 +100,11 @@ GEMV_WARPS = 1
 GEMV_STAGES = 1
 GEMV_PROGRAMS_PER_SM = 16
 # GEMV_M_MAX < M <= DOT_M_MAX (cc >= 8.0; 4-bit, no act-order, group size a multiple of DOT_BLOCK_K): the
-# tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile), with these tiles. Chosen from the
-# instruction count (ptxas/cuobjdump for sm_90a: ~3.5 per 4-bit value at any M <= 32, against ~8 for the
-# split-K kernel and ~9 for the FMA GEMV at M = 2); the H200 sweep of session 8 measures it.
-DOT_M_MAX = 32
+# tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile), with these tiles. Off (0) until
+# an H200 run has checked its PTX path and timed it: its instruction count (ptxas/cuobjdump for sm_90a) is ~3.5
+# per 4-bit value at any M <= 32, against ~8 for the split-K kernel and ~9 for the FMA GEMV at M = 2;
+# `benchmarks/gpu/sweep_quant.py` times it (path "dot") and tests/kernels/test_quant_linear.py checks it on GPUs.
+DOT_M_MAX = 0
 DOT_BLOCK_N = 128
 DOT_BLOCK_K = 128
 DOT_WARPS = 4
