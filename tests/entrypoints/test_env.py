@@ -80,5 +80,5 @@ def test_quantization_methods_per_device(capsys):
     assert all(row["kernel"].startswith("refused") for row in pascal["quantization"].values())
     assert env.main([]) == 0
     if not torch.cuda.is_available():
-        assert "  quantized    awq int4, gptq int4/int8, compressed-tensors int4/int8: dequantized" in \
+        assert "  quantized    awq int4, gptq int4/int8, compressed-tensors int4/int8, fp8 e4m3: dequantized" in \
             capsys.readouterr().out
