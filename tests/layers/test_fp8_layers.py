@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tokenmill.kernels.fp8 import (
     FP8_DTYPE,

@@ -77,10 +77,11 @@ def parse_fp8_config(raw: dict, source: str) -> QuantizationConfig:
     skip = raw.get("modules_to_not_convert") or []
     require(isinstance(skip, list) and all(isinstance(s, str) for s in skip), source, "modules_to_not_convert",
             skip, "a list of module name fragments")
+    ignore = tuple(ignored) + tuple(substring_pattern(s) for s in skip)
     return QuantizationConfig(method="fp8", bits=8, group_size=-1, has_zeros=False, act_order=False,
-                              checkpoint_format="fp8", ignore=tuple(ignored) + tuple(substring_pattern(s) for s in skip),
-                              source=source, weight_type="float", weight_strategy="block" if block else None,
-                              weight_block_size=block, activation_scheme=act)
+                              checkpoint_format="fp8", ignore=ignore, source=source, weight_type="float",
+                              weight_strategy="block" if block else None, weight_block_size=block,
+                              activation_scheme=act)
 
 
 def quantize_at_load_config() -> QuantizationConfig:
