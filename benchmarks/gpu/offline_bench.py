@@ -186,7 +186,7 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         "load_format": "dummy", "dtype": args.dtype, "skip_tokenizer_init": True, "seed": 0,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "device": args.device,
         "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
-    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes"):
+    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes", "quantization"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     model_dir = Path(tempfile.mkdtemp(prefix="offline_bench_"))
@@ -536,6 +536,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-prompts", type=int, default=64, help="offline/short: prompts per warm-up generate (two of them)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (float16 under --force-cc70)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None,
+                    help="tokenmill's --quantization, e.g. fp8 on a 16-bit config (FP8 weights quantized at load)")
     ap.add_argument("--skip-tokenmill", action="store_true", help="offline/short: the transformers baseline only")
     ap.add_argument("--force-cc70", action="store_true", help="simulate a V100: env TOKENMILL_FORCE_CC70=1")
     ap.add_argument("--max-num-seqs", type=int, default=256)

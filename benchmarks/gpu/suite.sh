@@ -23,6 +23,11 @@
 #   quantk   quant_gemm.py: int4/int8 kernels vs bf16 at Llama-3.1-8B / Qwen3-30B-A3B shapes
 #   qtpot-awq, qtpot-gptq, qoffline-awq, qoffline-gptq   tpot / offline with the W4A16 configs
 #            (benchmarks/configs/llama-3.1-8b-{awq,gptq}.json: dummy 4-bit weights, group 128)
+#   qtpot-fp8, qoffline-fp8   tpot / offline with benchmarks/configs/llama-3.1-8b-fp8.json (dummy FP8 weights,
+#            per-channel scales, W8A8 dynamic per-token: torch._scaled_mm on cc >= 8.9)
+#   qtpot-fp8-block, qoffline-fp8-block   the same with 128x128 block scales (llama-3.1-8b-fp8-block.json)
+#   qtpot-fp8-atload, qoffline-fp8-atload   the bf16 config with --quantization fp8 (quantized at load)
+#   qcc70-fp8  offline, the FP8 config on the cc-7.0 path (weight-only, e4m3 bits decoded in the kernel; fp16)
 #   qmoe     offline, Qwen3-30B-A3B GPTQ-Int4 config
 #   qcc70, qtpot-cc70   the AWQ config on the cc-7.0 path (fp16)
 set -u
@@ -56,6 +61,13 @@ for spec in "$@"; do
     qtpot-awq|qtpot-gptq|qoffline-awq|qoffline-gptq)
              m=${part#*-}; p=${part%-*}; p=${p#q}
              cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    qtpot-fp8|qoffline-fp8|qtpot-fp8-block|qoffline-fp8-block)
+             p=${part%%-*}; p=${p#q}; m=${part#*-}
+             cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    qtpot-fp8-atload|qoffline-fp8-atload)
+             p=${part%%-*}; p=${p#q}
+             cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b.json --quantization fp8 --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    qcc70-fp8) cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-fp8.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70-fp8.json" ;;
     qmoe)    cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b-gptq-int4.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qmoe.json" ;;
     qcc70)   cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70.json" ;;
     qtpot-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --git-commit $COMMIT --json-out $OUT/qtpot-cc70.json" ;;

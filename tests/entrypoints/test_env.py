@@ -69,15 +69,16 @@ def _info_with(gpu):
 def test_quantization_methods_per_device(capsys):
     info = env.collect_env_info()
     cpu = info["cpu"]["quantization"]
-    assert set(cpu) == {"awq", "gptq", "compressed-tensors"}
-    assert cpu["awq"]["bits"] == [4] and cpu["gptq"]["bits"] == [4, 8]
+    assert set(cpu) == {"awq", "gptq", "compressed-tensors", "fp8"}
+    assert cpu["awq"]["bits"] == [4] and cpu["gptq"]["bits"] == [4, 8] and cpu["fp8"]["bits"] == [8]
     assert all("dequantized" in row["kernel"] for row in cpu.values())
     volta, pascal = (env.describe_gpu(0, "GPU", 16 * 2**30, cc, arch_list=["sm_60", "sm_70", "sm_90"],
                                       force_cc70=False, triton_available=True, flash_attn_available=False)
                      for cc in ((7, 0), (6, 1)))
     assert all("split-K" in row["kernel"] for row in volta["quantization"].values())
+    assert "bit decoding" in volta["quantization"]["fp8"]["kernel"]
     assert all(row["kernel"].startswith("refused") for row in pascal["quantization"].values())
     assert env.main([]) == 0
     if not torch.cuda.is_available():
-        assert "  quantized    awq int4, gptq int4/int8, compressed-tensors int4/int8: dequantized" in \
+        assert "  quantized    awq int4, gptq int4/int8, compressed-tensors int4/int8, fp8 e4m3: dequantized" in \
             capsys.readouterr().out

@@ -85,7 +85,7 @@ def test_real_configs_parse(raw, want):
 
 @pytest.mark.parametrize("raw, field", [
     ({**GPTQMODEL, "quant_method": "bitsandbytes"}, "quant_method"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8' is not supported .FP8"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_scheme": "x"}, "'weight_scheme'"),
     ({**GPTQMODEL, "bits": 3}, "bits"),
     ({**GPTQMODEL, "group_size": 0}, "group_size"),
     ({**GPTQMODEL, "sym": "yes"}, "sym"),
@@ -105,7 +105,7 @@ def test_real_configs_parse(raw, want):
     ({**AWQ, "w_bit": 8}, "w_bit"),
     ({**AWQ, "some_new_key": 1}, "some_new_key"),
     ({**CT_W4A16, "format": "int-quantized"}, "format"),
-    ({**CT_W4A16, "format": "float-quantized"}, "float-quantized"),
+    ({**CT_W4A16, "format": "float-quantized"}, "group_0.format = 'pack-quantized'"),
     ({**CT_W4A16, "quantization_status": "initialized"}, "quantization_status"),
     ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
     ({**CT_W4A16, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
@@ -189,7 +189,7 @@ def test_resolve_cli_spellings(caplog):
     (GPTQMODEL, "awq", "disagrees with the checkpoint, which is quantized with gptq"),
     (AWQ, "gptq_marlin", "disagrees"),
     (None, "awq", "no quantization config"),
-    (GPTQMODEL, "fp8", "--quantization 'fp8' is not supported"),
+    (GPTQMODEL, "fp8", "disagrees with the checkpoint, which is quantized with gptq"),
     (GPTQMODEL, "bitsandbytes", "not supported"),
 ])
 def test_resolve_refusals(raw, cli, match):

@@ -4,12 +4,15 @@ The row-parallel shards are the interesting part: GPTQ act-order keeps all
 groups on each rank and slices g_idx; compressed-tensors g128 on the tiny
 Llama splits o_proj's 128 inputs at row 64, inside its only group (rank 1
 gets a synthesized g_idx), and down_proj's 256 at a group boundary.
+compressed-tensors FP8_DYNAMIC on the tiny Qwen3-MoE splits per-channel FP8 scales with the rows
+(q/k/v, gate/up, the experts) and keeps them whole for the row-parallel layers.
 """
 
 from __future__ import annotations
 
 import pytest
 from engine_parity import assert_greedy_match, write_shared_act_order
+from fp8_checkpoints import write_fp8_checkpoint
 
 from tokenmill import LLM, SamplingParams
 
@@ -38,6 +41,14 @@ def test_tp2_matches_tp1(request, tmp_path, case):
     kind, variant = CASES[case]
     dense = request.getfixturevalue(f"tiny_{kind}_dir")  # conftest.py's session-wide dense models
     folder = write_shared_act_order(dense, str(tmp_path / "quantized"), **variant)
+    ref = _generate(folder)
+    got = _generate(folder, tensor_parallel_size=2)
+    assert_greedy_match(ref, got)
+    assert all(len(ids) == PARAMS.max_tokens for ids, _ in got)
+
+
+def test_fp8_tp2_matches_tp1(tiny_qwen3_moe_dir, tmp_path):
+    folder = write_fp8_checkpoint(tiny_qwen3_moe_dir, str(tmp_path / "fp8"), "ct-fp8-dynamic")
     ref = _generate(folder)
     got = _generate(folder, tensor_parallel_size=2)
     assert_greedy_match(ref, got)

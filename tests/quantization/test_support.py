@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.quantization import check_supported, kernel_for, parse_quantization_config, support_table
+from tokenmill.quantization import check_supported, kernel_for, parse_quantization_config, rows_for, support_table
+from tokenmill.quantization.fp8 import quantize_at_load_config
 
 AWQ = parse_quantization_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                  "version": "gemm"})
 GPTQ8 = parse_quantization_config({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True})
+FP8_BLOCK = parse_quantization_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                       "weight_block_size": [128, 128]})
 
 
 def test_table_covers_every_method_and_device():
     rows = support_table()
     assert {(r.method, r.device) for r in rows} == {
         (m, d) for m in ("awq", "gptq", "compressed-tensors")
-        for d in ("cuda cc >= 8.0", "cuda cc 7.x", "cpu", "cuda cc < 7.0")}
+        for d in ("cuda cc >= 8.0", "cuda cc 7.x", "cpu", "cuda cc < 7.0")} | {
+        ("fp8", d) for d in ("cuda cc >= 8.9", "cuda cc 8.0-8.8", "cuda cc 7.x", "cpu", "cuda cc < 7.0")}
     by = {(r.method, r.device): r for r in rows}
     assert by["awq", "cpu"].bits == (4,) and by["gptq", "cpu"].bits == (4, 8)
     assert "split-K" in by["gptq", "cuda cc >= 8.0"].kernel and "cuBLAS" in by["gptq", "cuda cc >= 8.0"].kernel
@@ -42,3 +46,15 @@ def test_supported_devices(device, cc):
 def test_refusals_name_device_method_and_alternative(device, cc, match):
     with pytest.raises(ValueError, match=match):
         check_supported(AWQ, device, cc)
+
+
+@pytest.mark.parametrize("cc, words", [((9, 0), "W8A8"), ((8, 9), "W8A8"), ((8, 6), "weight-only"),
+                                       ((8, 0), "weight-only"), ((7, 0), "bit decoding")])
+def test_fp8_rows_per_capability(cc, words):
+    """W8A8 from cc 8.9 (FP8 tensor cores), weight-only on Ampere, bit decoding on cc 7.x; one row per method."""
+    for cfg in (FP8_BLOCK, quantize_at_load_config()):
+        assert words in kernel_for(cfg, "cuda", cc)
+    assert [r.method for r in rows_for("cuda", cc)] == ["awq", "gptq", "compressed-tensors", "fp8"]
+    assert "dequantized" in kernel_for(FP8_BLOCK, "cpu", None)
+    with pytest.raises(ValueError, match="fp8 FP8 .*compute capability 6.1"):
+        check_supported(FP8_BLOCK, "cuda", (6, 1))

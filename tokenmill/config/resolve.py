@@ -213,7 +213,7 @@ def _resolve_architecture(hf_config: Any) -> str:
 
 def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
                           platform: Platform) -> QuantizationConfig | None:
-    """The checkpoint's int4/int8 config confirmed (or overridden) by --quantization, checked against the device.
+    """The checkpoint's int4/int8 / FP8 config confirmed (or overridden) by --quantization, checked against the device.
 
     Returns a `tokenmill.quantization.QuantizationConfig`, or None for 16/32-bit weights.
 
@@ -244,6 +244,9 @@ def _resolve_quantization(args: EngineArgs, source: ModelSource, hf_config: Any,
     if cfg is not None:
         capability = platform.get_device_capability() if platform.device_type == "cuda" else None
         check_supported(cfg, platform.device_type, capability)
+        if cfg.is_fp8 and cfg.activation_scheme and capability is not None and tuple(capability) < (8, 9):
+            logger.info("FP8 W8A8 checkpoint on compute capability %d.%d (no FP8 arithmetic before 8.9): it runs "
+                        "weight-only, activations stay 16-bit", capability[0], capability[1])
     return cfg
 
 

@@ -73,8 +73,9 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--load-format", "auto, safetensors, gguf, pt or dummy (random weights).", ("--load-format", "dummy")),
     _i("--dtype", "auto, float32, float16/half, bfloat16; auto is float32 on CPU, bfloat16 on cc >= 8.0 GPUs, "
        "float16 below; AWQ and GPTQ checkpoints get float16 on every GPU (as vLLM).", ("--dtype", "half")),
-    _i("--quantization", "awq, gptq, compressed-tensors (-q; awq_marlin / gptq_marlin are aliases): int4/int8 "
-       "weight-only checkpoints; mxfp4 confirms a gpt-oss MXFP4 checkpoint; detected from the checkpoint without "
+    _i("--quantization", "awq, gptq, compressed-tensors, fp8 (-q; awq_marlin / gptq_marlin are aliases): int4/int8 "
+       "and FP8 checkpoints; fp8 on a 16-bit checkpoint quantizes it at load (per-channel weights, dynamic "
+       "per-token activations); mxfp4 confirms a gpt-oss MXFP4 checkpoint; detected from the checkpoint without "
        "the flag; a method that disagrees with the "
        "checkpoint fails at start-up (docs/quantization.md).", ("--quantization", "awq")),
     _i("--seed", "Seed of the sampler's random generator.", ("--seed", "7")),

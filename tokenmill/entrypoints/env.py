@@ -3,8 +3,8 @@
 Prints OS, Python, torch (with the GPU architectures its kernels were built
 for), CUDA runtime and driver, Triton, and per GPU: name, memory, compute
 capability, usable dtypes and attention backends with the reason for each
-unusable one, and which int4/int8 quantization methods run through which
-kernel (`quantization.support_table`). `--json` prints the same as one JSON object. Works without a
+unusable one, and which quantization methods (int4/int8, FP8) run through which
+kernel (`quantization.rows_for`). `--json` prints the same as one JSON object. Works without a
 GPU (and without triton or nvidia-smi installed).
 """
 
@@ -109,22 +109,11 @@ def describe_gpu(
     }
 
 
-def _support_device(device_type: str, capability: tuple[int, int] | None) -> str:
-    """The device label of `quantization.support_table`'s rows for this device."""
-    if device_type == "cpu":
-        return "cpu"
-    if capability >= (8, 0):
-        return "cuda cc >= 8.0"
-    return "cuda cc 7.x" if capability >= (7, 0) else "cuda cc < 7.0"
-
-
 def quantization_support(device_type: str, capability: tuple[int, int] | None) -> dict[str, dict[str, Any]]:
     """method -> {"bits": [4, 8], "kernel": how it runs here, or "refused: why"} for this device."""
-    from tokenmill.quantization import support_table
+    from tokenmill.quantization import rows_for
 
-    label = _support_device(device_type, capability)
-    return {row.method: {"bits": list(row.bits), "kernel": row.kernel} for row in support_table()
-            if row.device == label}
+    return {row.method: {"bits": list(row.bits), "kernel": row.kernel} for row in rows_for(device_type, capability)}
 
 
 def collect_env_info() -> dict[str, Any]:
@@ -210,7 +199,8 @@ def _support_lines(device: dict[str, Any]) -> list[str]:
         lines.extend(f"    not {k}: {v}" for k, v in table.items() if v is not None)
     by_kernel: dict[str, list[str]] = {}  # methods that run the same way share one line
     for method, row in device.get("quantization", {}).items():
-        by_kernel.setdefault(row["kernel"], []).append(f"{method} {'/'.join(f'int{b}' for b in row['bits'])}")
+        weights = "e4m3" if method == "fp8" else "/".join(f"int{b}" for b in row["bits"])
+        by_kernel.setdefault(row["kernel"], []).append(f"{method} {weights}")
     for kernel, methods in by_kernel.items():
         lines.append(f"  {'quantized':<12} {', '.join(methods)}: {kernel}")
     return lines

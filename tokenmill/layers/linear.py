@@ -23,6 +23,9 @@ walk, `model_loader/quantization.py`, before loading) replaces `weight` by
 `qweight`, `scales`, `qzeros`, `g_idx` (`layers/quant_params.py`); the same
 weight loaders shard them. CUDA runs `kernels.quant_linear`; on the CPU the
 loader calls `dequantize()` after loading, and the layer is dense again.
+`quantize(Fp8Scheme)` makes an FP8 layer instead (`layers/fp8_params.py`:
+float8_e4m3fn `weight`, per-row `weight_scale`, static `input_scale`), run by
+`kernels.fp8_linear` (W8A8 or weight-only per device), dequantized on the CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tokenmill.distributed.parallel_state import (
 )
 from tokenmill import kernels
 from tokenmill.distributed.partition import divide_evenly, head_partition
+from tokenmill.layers.fp8_params import Fp8Scheme, fp8_weight, load_input_scale, make_fp8_params, quantizing_loader
 from tokenmill.layers.gguf_weights import GGUFWeight
 from tokenmill.layers.quant_params import (
     QUANT_KINDS,
@@ -68,6 +72,10 @@ def _is_g_idx(param: torch.Tensor) -> bool:
     return getattr(param, "quant_kind", None) == "g_idx"
 
 
+def _is_input_scale(param: torch.Tensor) -> bool:
+    return getattr(param, "quant_kind", None) == "input_scale"
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a full (unsharded) tensor into `param`, casting dtype and device.
 
@@ -91,7 +99,7 @@ class LinearBase(nn.Module):
         # This rank's rows of the input dim K (all of them except for row-parallel layers).
         self.input_shard = InputShard(input_start, input_size_per_partition,
                                       full_input_size or input_size_per_partition)
-        self.quant: QuantScheme | None = None  # set by `quantize`
+        self.quant: QuantScheme | Fp8Scheme | None = None  # set by `quantize`
         self.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -107,12 +115,17 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         _copy_checked(param, loaded_weight)
 
-    def quantize(self, scheme: QuantScheme) -> None:
-        """Replace `weight` by empty int4/int8 parameters (`qweight`, `scales`, [`qzeros`], [`g_idx`]) to load into.
+    def quantize(self, scheme: QuantScheme | Fp8Scheme) -> None:
+        """Replace `weight` by empty int4/int8 parameters (`qweight`, `scales`, [`qzeros`], [`g_idx`]) to load into,
+        or with an `Fp8Scheme` by FP8 ones (`weight` float8_e4m3fn, `weight_scale`, [`input_scale`]).
 
         Raises:
-            ValueError: this rank's input rows start inside a packed int32 word.
+            ValueError: this rank's input rows start inside a packed int32 word (int4/int8) or inside a K block
+                of the FP8 block scales.
         """
+        if isinstance(scheme, Fp8Scheme):
+            self._quantize_fp8(scheme)
+            return
         weight = self.weight
         self.params_dtype = weight.dtype  # what `dequantize` returns
         params = make_quant_params((), weight.shape[0], weight.full_shape[0], self.input_shard, scheme,
@@ -125,6 +138,22 @@ class LinearBase(nn.Module):
             self.register_buffer("g_idx", synthetic_g_idx(scheme, self.input_shard).to(weight.device))
         self.quant = scheme
 
+    def _quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        weight = self.weight
+        self.params_dtype = weight.dtype  # what `dequantize` returns
+        params = make_fp8_params((), weight.shape[0], weight.full_shape[0], self.input_shard, scheme, weight.device,
+                                 with_input_scale=scheme.activations == "static")
+        self.weight = None
+        for name, param in params.items():
+            param.weight_loader = self.weight_loader
+            self.register_parameter(name, param)
+        self.weight.weight_loader = quantizing_loader(self.weight_loader, self.weight_scale, scheme)
+        self.quant = scheme
+
+    def fp8_weight(self):
+        """This rank's FP8 weight as `kernels.fp8.Fp8Weight` (after `quantize(Fp8Scheme)`)."""
+        return fp8_weight(self.weight, self.weight_scale, self.quant, getattr(self, "input_scale", None))
+
     def quant_tensors(self):
         """This rank's quantized weight as `kernels.quant_pack.QuantTensors` (after `quantize`)."""
         assert self.quant is not None, "not a quantized layer"
@@ -135,7 +164,12 @@ class LinearBase(nn.Module):
 
         The CPU path: afterwards the layer is a plain dense layer (oneDNN packing included).
         """
-        weight = kernels.dequantize_weight(self.quant_tensors(), self.params_dtype)
+        if isinstance(self.quant, Fp8Scheme):
+            weight = kernels.dequantize_fp8_weight(self.fp8_weight(), self.params_dtype)
+            self._parameters.pop("weight_scale")
+            self._parameters.pop("input_scale", None)
+        else:
+            weight = kernels.dequantize_weight(self.quant_tensors(), self.params_dtype)
         for kind in QUANT_KINDS:
             if kind in self._parameters:
                 del self._parameters[kind]
@@ -146,9 +180,11 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] @ weight^T (+ bias) -> [..., out]; the weight may be oneDNN-packed (`cpu_weights`),
-        GGUF blocks (`gguf_weights`) or int4/int8 (`kernels.quant_linear` on CUDA)."""
+        GGUF blocks (`gguf_weights`), int4/int8 (`kernels.quant_linear` on CUDA) or FP8 (`kernels.fp8_linear`)."""
         if isinstance(self.weight, GGUFWeight):
             return self.weight.matmul(x, bias)
+        if isinstance(self.quant, Fp8Scheme):  # CUDA kernels per capability; CPU: the reference (layers built by hand)
+            return kernels.fp8_linear(x, self.fp8_weight(), bias, self.quant.activations is not None)
         if self.quant is not None:
             x2 = x.reshape(-1, x.shape[-1])
             if x.is_cuda:
@@ -194,6 +230,9 @@ class ColumnParallelLinear(LinearBase):
         if _is_g_idx(param):
             load_replicated_g_idx(param, param.data, loaded_weight)
             return
+        if _is_input_scale(param):
+            load_input_scale(param, loaded_weight)
+            return
         shard = param.shape[0]
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
@@ -222,6 +261,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
         if _is_g_idx(param):  # every part reads the whole input: one g_idx
             load_replicated_g_idx(param, param.data, loaded_weight)
+            return
+        if _is_input_scale(param):  # every part reads the whole input: one activation scale
+            load_input_scale(param, loaded_weight)
             return
         if shard_id is None:  # an already-merged checkpoint tensor
             # Reorder [gate; up] (full) into this rank's [gate_r; up_r].
@@ -276,6 +318,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
         if _is_g_idx(param):  # q, k and v read the whole input: one g_idx
             load_replicated_g_idx(param, param.data, loaded_weight)
+            return
+        if _is_input_scale(param):  # q, k and v read the whole input: one activation scale
+            load_input_scale(param, loaded_weight)
             return
         p, hs = self.partition, self.head_size
         if shard_id is None:  # full fused [q; k; v]

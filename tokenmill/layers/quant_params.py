@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+from tokenmill.layers.fp8_params import FP8_KINDS, narrow_fp8_input
 
 if TYPE_CHECKING:
     from tokenmill.quantization import QuantizationConfig
@@ -148,6 +149,8 @@ def narrow_input(param: torch.Tensor, loaded: torch.Tensor, shard: InputShard, s
     if shard.start == 0 and shard.size == shard.full:
         return loaded
     kind = getattr(param, "quant_kind", None)
+    if kind in FP8_KINDS:
+        return narrow_fp8_input(param, loaded, shard, dim)
     if kind is None or kind == "g_idx":
         return loaded.narrow(dim, shard.start, shard.size)
     assert scheme is not None, "a quantized parameter needs its layer's scheme"

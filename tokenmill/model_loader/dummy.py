@@ -26,7 +26,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
     other pipeline stages do not shift the draws, so every tp/pp split holds
     the same model. RMSNorm weights are 1 (0 for the Gemma variant, which
     scales by 1 + w). Quantized layers (`model_loader/quantized.py`) get
-    valid random int4/int8 tensors of the same spread (`random_quantized`); a parameter with a
+    valid random int4/int8 tensors of the same spread (`random_quantized`); FP8 weights get the normal draw
+    quantized by their loader (`layers/fp8_params.quantizing_loader`, scales included); a parameter with a
     `dummy_init(param, seed)` attribute (packed quantized weights, e.g. MXFP4 experts) fills itself.
     """
     norm_weights = {id(m.weight): 0.0 if m.gemma else 1.0 for m in model.modules() if isinstance(m, RMSNorm)}
@@ -40,6 +41,9 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
         else:
             full_shape = tuple(getattr(param, "full_shape", param.shape))
             param_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+            if getattr(param, "quant_kind", None) == "fp8_weight":  # its loader quantizes it, scales included
+                param.weight_loader(param, draw_normal(full_shape, param.device, param_seed, std))
+                continue
             if getattr(param, "quant_kind", None) is not None:
                 gen = torch.Generator(device=param.device)
                 gen.manual_seed(param_seed)

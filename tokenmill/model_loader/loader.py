@@ -110,9 +110,14 @@ def _quantized_weights(model_config: ModelConfig, model: nn.Module,
     from tokenmill.quantization import convert_weights, quantized_modules
 
     cfg = model_config.quantization
+    if cfg.checkpoint_format == "quantize-at-load":  # --quantization fp8: the layers quantize the 16-bit tensors
+        with torch.device(device):
+            quantize_layers(model, cfg, None)
+        return iterate_weights(model_config, device)
+    modules = quantized_modules(cfg, checkpoint_tensor_names(model_config))
     with torch.device(device):
-        quantize_layers(model, cfg, quantized_modules(cfg, checkpoint_tensor_names(model_config)))
-    return convert_weights(cfg, iterate_weights(model_config, device))
+        quantize_layers(model, cfg, modules)
+    return convert_weights(cfg, iterate_weights(model_config, device), modules)
 
 
 def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str | torch.dtype) -> nn.Module:
@@ -121,11 +126,13 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
     Parameters are allocated directly on `device` under `dtype` (no CPU
     copy of the full model), then each checkpoint tensor is copied in.
 
-    With `model_config.quantization` (int4/int8 checkpoints) the layers the
+    With `model_config.quantization` (int4/int8 and FP8 checkpoints) the layers the
     checkpoint quantizes are made quantized layers before any tensor is read
     (`model_loader/quantized.py`), the tensors are converted to tokenmill's
     layout as they stream in (`quantization.convert_weights`), and on the
-    CPU the loaded layers are dequantized into `dtype`. Dummy weights with a
+    CPU the loaded layers are dequantized into `dtype`. `--quantization fp8` on
+    a 16-bit checkpoint makes every linear layer and expert FP8 and quantizes the
+    tensors as they load (`layers/fp8_params.py`). Dummy weights with a
     quantization config quantize every linear layer and expert with valid
     random tensors (GPU speed runs without a checkpoint).
 
@@ -154,7 +161,9 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
             loaded = model.load_weights(weights)
         if keep_blocks:
             gguf_quantized.finalize(model)
-        missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+        # An FP8 weight_scale arrives with its weight (the converter requires both; a 16-bit weight's loader writes it).
+        missing = sorted({n for n, p in model.named_parameters() if not getattr(p, "loaded_with_weight", False)}
+                         - set(loaded))
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"The checkpoint at {model_config.model_path} lacks weights for: {shown}.")
@@ -165,8 +174,8 @@ def get_model(model_config: ModelConfig, device: torch.device | str, dtype: str 
     if torch.device(device).type == "cpu":
         if qcfg is not None:
             count = dequantize_layers(model)  # the CPU runs dense layers (oneDNN packing below included)
-            logger.info("Dequantized %d int%d layers into %s for the CPU: weights now %s", count, qcfg.bits,
-                        torch_dtype, format_bytes(weight_bytes(model)[0]))
+            logger.info("Dequantized %d %s layers into %s for the CPU: weights now %s", count,
+                        "fp8" if qcfg.is_fp8 else f"int{qcfg.bits}", torch_dtype, format_bytes(weight_bytes(model)[0]))
         pack_cpu_linear_weights(model)  # bfloat16: oneDNN's layout once, not per call
         cpu_elementwise.load()  # build (once per machine) or load the CPU C kernels now, not at the first request
     return model.eval()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.quant_pack import pack_along_last
+from tokenmill.layers.fp8_params import Fp8Scheme
 from tokenmill.layers.fused_moe import FusedMoE, expert_module
 from tokenmill.layers.linear import LinearBase, ReplicatedLinear
 from tokenmill.layers.quant_params import QuantScheme
@@ -63,14 +64,14 @@ def quantize_layers(model: nn.Module, cfg: QuantizationConfig, checkpoint_module
         cfg: the checkpoint's `tokenmill.quantization.QuantizationConfig`.
         checkpoint_modules: checkpoint module names that hold quantized
             tensors (`quantization.quantized_modules`), or None for dummy
-            weights: then every linear layer but the MoE routers
-            (`ReplicatedLinear`) and every FusedMoE, except those `cfg` ignores.
+            weights and `--quantization fp8` at load: then every linear layer but the MoE
+            routers (`ReplicatedLinear`) and every FusedMoE, except those `cfg` ignores.
 
     Raises:
         ValueError: a fused layer is only partly quantized, or the checkpoint
             quantizes a module tokenmill cannot run quantized (names it).
     """
-    scheme = QuantScheme.from_config(cfg)
+    scheme = Fp8Scheme.from_config(cfg) if cfg.is_fp8 else QuantScheme.from_config(cfg)
     mapping = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
     if checkpoint_modules is None:
@@ -172,7 +173,13 @@ def format_bytes(n: int) -> str:
 
 
 def describe_quantization(cfg: QuantizationConfig) -> str:
-    """`awq int4 g128` style summary of a config for log lines."""
+    """`awq int4 g128` / `fp8 e4m3 block 128x128 W8A8 dynamic` style summary of a config for log lines."""
+    if cfg.is_fp8:
+        block = cfg.weight_block_size
+        scales = f"block {block[0]}x{block[1]}" if block else (cfg.weight_strategy or "per-tensor/channel")
+        acts = f"W8A8 {cfg.activation_scheme}" if cfg.activation_scheme else "W8A16"
+        at_load = ", quantized at load" if cfg.checkpoint_format == "quantize-at-load" else ""
+        return f"{cfg.method} e4m3 {scales} {acts}{at_load}"
     group = "channel" if cfg.group_size == -1 else f"g{cfg.group_size}"
     return f"{cfg.method} int{cfg.bits} {group}{' act-order' if cfg.act_order else ''}"
 

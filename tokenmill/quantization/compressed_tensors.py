@@ -34,6 +34,9 @@ from tokenmill.quantization.config import (
 SUFFIXES = {"weight_packed": "qweight", "weight_scale": "scales", "weight_zero_point": "qzeros",
             "weight_g_idx": "g_idx", "weight_shape": None}
 FORMAT = "pack-quantized"
+# FP8 weights (`ct_float.py`): llm-compressor writes W8A8 FP8 as float-quantized; its weight-only FP8 (W8A16)
+# falls through to naive-quantized (compressed_tensors.compressors.format's priority list).
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 
 _TOP_FIELDS = {
     "quant_method", "format", "config_groups", "ignore", "quantization_status", "kv_cache_scheme",
@@ -51,7 +54,8 @@ _WEIGHT_FIELDS = {
 def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfig:
     """Parse llm-compressor's `quantization_config` (`quant_method: compressed-tensors`).
 
-    Supported: `format: pack-quantized`, `quantization_status: compressed`,
+    Supported: `format: pack-quantized` (below) and FP8 `float-quantized` / `naive-quantized`
+    (`ct_float.parse_float_groups`), `quantization_status: compressed`,
     config groups whose `weights` are int 4/8-bit, `strategy` channel or group,
     symmetric or not, `actorder` null / weight / group, static; no activation,
     output or KV-cache quantization, no sparsity, no transforms. All groups
@@ -63,10 +67,8 @@ def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfi
     """
     check_fields(raw, source, _TOP_FIELDS)
     fmt = raw.get("format")
-    if fmt == "float-quantized":
-        raise ValueError(f"{source}: format = 'float-quantized' (FP8 weights) is not supported yet; it belongs "
-                         "to tokenmill's FP8 work. This release reads pack-quantized int4/int8 weights.")
-    require(fmt == FORMAT, source, "format", fmt, "only pack-quantized int4/int8 weights (W4A16, W8A16) are read")
+    require(fmt in (FORMAT, *FLOAT_FORMATS), source, "format", fmt,
+            "pack-quantized int4/int8 weights (W4A16, W8A16) or float-quantized FP8 weights (W8A8, W8A16)")
     # Older llm-compressor releases wrote "frozen" over packed weights; the tensors decide (a dense `weight`
     # with scales has no weight_packed and is refused at load).
     status = raw.get("quantization_status", "compressed")
@@ -78,6 +80,12 @@ def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfi
             "sparse checkpoints are not supported")
     groups = raw.get("config_groups")
     require(isinstance(groups, dict) and len(groups) > 0, source, "config_groups", groups, "at least one group")
+    ignore = raw.get("ignore") or []
+    require(isinstance(ignore, list) and all(isinstance(s, str) for s in ignore), source, "ignore", ignore,
+            "a list of module names and re: patterns")
+    if fmt in FLOAT_FORMATS:
+        from tokenmill.quantization.ct_float import parse_float_groups
+        return parse_float_groups(groups, fmt, tuple(ignore), source)
     schemes = {}
     for gname, group in groups.items():
         where = f"config_groups.{gname}."
@@ -100,9 +108,6 @@ def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfi
         require(scheme == first, source, f"config_groups.{gname}.weights", groups[gname].get("weights"),
                 "every config group must use the same weight scheme")
     bits, group_size, symmetric, act_order = first
-    ignore = raw.get("ignore") or []
-    require(isinstance(ignore, list) and all(isinstance(s, str) for s in ignore), source, "ignore", ignore,
-            "a list of module names and re: patterns")
     return QuantizationConfig(method="compressed-tensors", bits=bits, group_size=group_size,
                               has_zeros=not symmetric, act_order=act_order, checkpoint_format=FORMAT,
                               ignore=tuple(ignore), source=source)

@@ -1,13 +1,20 @@
-"""Which int4/int8 weight-only quantization a checkpoint uses: detection, parsing, `--quantization` resolution.
+"""Which quantization a checkpoint uses: detection, parsing, `--quantization` resolution.
 
-Three checkpoint formats are read (vLLM's spellings for the method names):
+Four checkpoint formats are read (vLLM's spellings for the method names):
 
 - `awq`: AutoAWQ / llm-awq GEMM checkpoints (`quant_method: awq`, 4 bits,
   `version: gemm`);
 - `gptq`: AutoGPTQ / GPTQModel checkpoints (`quant_method: gptq`, 4 or 8
   bits, `desc_act` act-order, `checkpoint_format` gptq or gptq_v2);
 - `compressed-tensors`: llm-compressor's `pack-quantized` int4/int8 weights
-  (W4A16 / W8A16; channel or group strategy, `actorder`, `ignore`).
+  (W4A16 / W8A16; channel or group strategy, `actorder`, `ignore`), and its
+  `float-quantized` FP8 weights (W8A8 with dynamic per-token or static
+  activations, W8A16; tensor / channel / block strategies): `ct_float.py`;
+- `fp8`: FP8 (e4m3) checkpoints in the `quant_method: fp8` layout
+  (per-tensor / per-channel `weight_scale`, or 128x128 `weight_scale_inv`
+  blocks; dynamic or static activations): `fp8.py`. `--quantization fp8` on
+  a 16-bit checkpoint quantizes it at load (per-channel weight scales,
+  dynamic per-token activations).
 
 Every key a config may hold is either interpreted, checked against the one
 value we support, or listed as metadata that does not change the stored
@@ -26,7 +33,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 # vLLM's Marlin-kernel spellings: the same checkpoints, read by our kernels.
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 # Methods a model family reads itself from its hf_config (no int4/int8 layer walk): gpt-oss's MXFP4 experts
@@ -40,14 +47,26 @@ CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 class QuantizationConfig:
     """How a checkpoint's linear weights are quantized (plain data; one scheme for every quantized module)."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8"
     bits: int  # 4 or 8
     group_size: int  # input rows per scale; -1 = one group over all of K (per output channel)
     has_zeros: bool  # zero points are stored (asymmetric); False = the midpoint 2^(bits-1)
     act_order: bool  # g_idx tensors present (GPTQ desc_act, compressed-tensors actorder "group")
-    checkpoint_format: str  # awq: "gemm"; gptq: "gptq" (zeros stored minus one) | "gptq_v2"; ct: "pack-quantized"
+    # awq: "gemm"; gptq: "gptq" (zeros stored minus one) | "gptq_v2"; ct: "pack-quantized" | "float-quantized";
+    # fp8: "fp8" (a checkpoint) | "quantize-at-load" (`--quantization fp8` on a 16-bit checkpoint)
+    checkpoint_format: str
     ignore: tuple[str, ...] = ()  # module names / "re:" patterns (re.match) left unquantized
     source: str = ""  # the file the config came from, for messages
+    # FP8 (e4m3) weights only:
+    weight_type: str = "int"  # "int" (int4/int8 packed) | "float" (FP8 e4m3)
+    weight_strategy: str | None = None  # "tensor" | "channel" | "block"; None = read from the scale's shape
+    weight_block_size: tuple[int, int] | None = None  # (Bn, Bk) of block scales
+    activation_scheme: str | None = None  # "dynamic" | "static" (stored input_scale) | None (weight-only)
+
+    @property
+    def is_fp8(self) -> bool:
+        """True for FP8 weights (`fp8` checkpoints, compressed-tensors float-quantized, `--quantization fp8`)."""
+        return self.weight_type == "float"
 
 
 # ---- detection ----------------------------------------------------------------------------------
@@ -125,9 +144,11 @@ def parse_quantization_config(raw: dict) -> QuantizationConfig:
     if method == "compressed-tensors":
         from tokenmill.quantization.compressed_tensors import parse_compressed_tensors_config
         return parse_compressed_tensors_config(raw, source)
-    later = " (FP8 checkpoints belong to tokenmill's FP8 work, not yet merged)" if "fp8" in method else ""
-    raise ValueError(f"{source}: quant_method {method!r} is not supported{later}; tokenmill reads "
-                     f"{', '.join(METHODS)} int4/int8 weight checkpoints.")
+    if method == "fp8":
+        from tokenmill.quantization.fp8 import parse_fp8_config
+        return parse_fp8_config(raw, source)
+    raise ValueError(f"{source}: quant_method {method!r} is not supported; tokenmill reads "
+                     f"{', '.join(METHODS)} checkpoints.")
 
 
 def _infer_method(raw: dict, source: str) -> str:
@@ -182,12 +203,14 @@ def resolve_quantization(raw: dict | None, cli: str | None) -> QuantizationConfi
     Args:
         raw: the checkpoint's raw config (`find_quantization_config`) or None.
         cli: `--quantization` / `LLM(quantization=...)`: None, "None"/"none"
-            (use the checkpoint's), "awq", "gptq", "compressed-tensors", "mxfp4", or
+            (use the checkpoint's), "awq", "gptq", "compressed-tensors", "fp8", "mxfp4", or
             vLLM's aliases "awq_marlin" / "gptq_marlin" (logged).
 
     Returns:
         The parsed config, or None for an unquantized checkpoint without a flag
         and for a method the model reads itself (`MODEL_HANDLED`: gpt-oss's mxfp4).
+        "fp8" on a checkpoint without a quantization config: quantize at load
+        (`fp8.quantize_at_load_config`: per-channel weights, dynamic per-token activations).
 
     Raises:
         ValueError: an unknown method name; a method that disagrees with the
@@ -206,10 +229,14 @@ def resolve_quantization(raw: dict | None, cli: str | None) -> QuantizationConfi
                              f"{', '.join(METHODS + MODEL_HANDLED)} (or awq_marlin / gptq_marlin), or leave it "
                              "unset to use the checkpoint's.")
     if raw is None:
+        if method == "fp8":
+            from tokenmill.quantization.fp8 import quantize_at_load_config
+            return quantize_at_load_config()
         if method is not None:
             raise ValueError(f"--quantization {cli} was given but the checkpoint has no quantization config "
                              f"(no quantization_config in config.json, no {' / '.join(CONFIG_FILES)}); "
-                             "tokenmill does not quantize weights at load. Leave the flag unset.")
+                             "tokenmill quantizes 16-bit weights at load only with --quantization fp8. "
+                             "Leave the flag unset.")
         return None
     raw_method = str(raw.get("quant_method", "")).lower()
     if raw_method in MODEL_HANDLED:  # the model reads it (gpt-oss MXFP4): nothing for the layer walk

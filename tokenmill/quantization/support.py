@@ -11,6 +11,18 @@ device, not on the method:
   split-K kernel; larger ones dequantize a layer's weight and use cuBLAS in float16, accumulating in float32.
 - CPU: weights are dequantized into the model's weight dtype at load; memory is that of the 16/32-bit model.
 - CUDA below 7.0 and other devices: refused at start-up.
+
+FP8 weights (`fp8` checkpoints, compressed-tensors float-quantized, `--quantization fp8`; row "fp8") keep their
+e4m3 bytes on the GPU and run through `kernels.fp8_linear` (kernels/triton/fp8_gemm.py):
+
+- cc >= 8.9 (Ada, Hopper): W8A8 as the checkpoint says: activations quantized per token (per 1 x 128 group for
+  block weights, or with the static input_scale), then `torch._scaled_mm` (per-channel, bfloat16) or the Triton
+  FP8 GEMM (block scales, float16); weight-only checkpoints decode the weight in the Triton GEMM.
+- cc 8.0 - 8.8 (Ampere) and cc 7.x (V100, T4: no FP8 arithmetic): weight-only at every checkpoint's scheme (a
+  W8A8 checkpoint's activations stay 16-bit): the Triton GEMM decodes the e4m3 bits to float16 with integer
+  ops; cc 7.x multiplies small batches with float32 FMAs and larger ones through dequantize + cuBLAS.
+- MoE experts, every GPU: dequantized per forward into the activation dtype, then the 16-bit Triton grouped GEMM.
+- CPU: dequantized into the weight dtype at load.
 """
 
 from __future__ import annotations
@@ -28,38 +40,75 @@ _CC70 = ("Triton FMA GEMV (M = 1), dequantize + cuBLAS float16 with float32 accu
 _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit weights in memory)"
 
 
+_FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): torch._scaled_mm "
+             "(per-channel, bfloat16) or the Triton FP8 GEMM (block scales, float16); weight-only checkpoints: Triton "
+             "GEMM decoding e4m3 in the kernel; MoE: experts dequantized per forward + Triton grouped GEMM")
+_FP8_CC80 = ("weight-only (W8A8 checkpoints keep 16-bit activations: no FP8 arithmetic before cc 8.9): Triton GEMM "
+             "decoding e4m3 in the kernel (split-K small M, tiled medium M), dequantize + cuBLAS (large M); MoE: "
+             "experts dequantized per forward + Triton grouped GEMM")
+_FP8_CC70 = ("weight-only via e4m3 -> float16 bit decoding (no FP8 arithmetic): Triton split-K with float32 FMAs "
+             "(small M), dequantize + cuBLAS float16 with float32 accumulation (larger M); MoE: experts dequantized "
+             "per forward + Triton grouped GEMM")
+_REFUSED = "refused: tokenmill's Triton kernels need compute capability 7.0 or newer"
+FP8_ROW = "fp8"  # the table's row for every FP8 format (fp8, compressed-tensors float-quantized, --quantization fp8)
+
+
 @dataclass(frozen=True)
 class SupportRow:
     """One line of the method x device table."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors"
-    device: str  # "cuda cc >= 8.0" | "cuda cc 7.x" | "cpu" | "cuda cc < 7.0"
+    method: str  # "awq" | "gptq" | "compressed-tensors" (int4/int8) | "fp8" (every FP8 format)
+    device: str  # int4/int8: "cuda cc >= 8.0" | "cuda cc 7.x"; fp8: "cuda cc >= 8.9" | "cuda cc 8.0-8.8" |
+    #              "cuda cc 7.x"; all: "cpu" | "cuda cc < 7.0"
     bits: tuple[int, ...]  # weight bits read
     kernel: str  # how it runs there, or "refused: <why>"
 
 
 def _bits(method: str) -> tuple[int, ...]:
-    return (4,) if method == "awq" else (4, 8)
+    return (4,) if method == "awq" else (8,) if method == FP8_ROW else (4, 8)
 
 
 def support_table() -> list[SupportRow]:
     """Every (method, device) pair with its kernel, in display order (methods x devices)."""
     rows = []
-    for method in METHODS:
+    for method in (m for m in METHODS if m != FP8_ROW):
         rows += [SupportRow(method, "cuda cc >= 8.0", _bits(method), _CC80),
                  SupportRow(method, "cuda cc 7.x", _bits(method), _CC70),
                  SupportRow(method, "cpu", _bits(method), _CPU),
-                 SupportRow(method, "cuda cc < 7.0", _bits(method),
-                            "refused: tokenmill's Triton kernels need compute capability 7.0 or newer")]
+                 SupportRow(method, "cuda cc < 7.0", _bits(method), _REFUSED)]
+    rows += [SupportRow(FP8_ROW, "cuda cc >= 8.9", (8,), _FP8_CC89),
+             SupportRow(FP8_ROW, "cuda cc 8.0-8.8", (8,), _FP8_CC80),
+             SupportRow(FP8_ROW, "cuda cc 7.x", (8,), _FP8_CC70),
+             SupportRow(FP8_ROW, "cpu", (8,), _CPU),
+             SupportRow(FP8_ROW, "cuda cc < 7.0", (8,), _REFUSED)]
     return rows
+
+
+def device_label(method: str, device_type: str, capability: tuple[int, int] | None) -> str:
+    """The `SupportRow.device` of `method`'s row for this device ("cpu" for anything but CUDA)."""
+    if device_type != "cuda":
+        return "cpu"
+    cc = tuple(capability)
+    if cc < (7, 0):
+        return "cuda cc < 7.0"
+    if cc < (8, 0):
+        return "cuda cc 7.x"
+    if method != FP8_ROW:
+        return "cuda cc >= 8.0"
+    return "cuda cc >= 8.9" if cc >= (8, 9) else "cuda cc 8.0-8.8"
+
+
+def rows_for(device_type: str, capability: tuple[int, int] | None) -> list[SupportRow]:
+    """One row per method for this device (`tokenmill env`)."""
+    return [r for r in support_table() if r.device == device_label(r.method, device_type, capability)]
 
 
 def kernel_for(cfg: QuantizationConfig, device_type: str, capability: tuple[int, int] | None) -> str:
     """The kernel description `check_supported` accepts for this device (see `support_table`)."""
     check_supported(cfg, device_type, capability)
-    if device_type == "cpu":
-        return _CPU
-    return _CC80 if capability >= (8, 0) else _CC70
+    method = FP8_ROW if cfg.is_fp8 else cfg.method
+    label = device_label(method, device_type, capability)
+    return next(r.kernel for r in support_table() if r.method == method and r.device == label)
 
 
 def check_supported(cfg: QuantizationConfig, device_type: str, capability: tuple[int, int] | None) -> None:
@@ -74,7 +123,7 @@ def check_supported(cfg: QuantizationConfig, device_type: str, capability: tuple
         ValueError: one sentence naming the device, the method and what
             would work there (a newer GPU or the CPU).
     """
-    what = f"{cfg.method} {cfg.bits}-bit"
+    what = f"{cfg.method} FP8" if cfg.is_fp8 else f"{cfg.method} {cfg.bits}-bit"
     if device_type == "cpu":
         return
     if device_type != "cuda":

@@ -21,6 +21,15 @@ int4/int8 experts: `quantize(scheme)` replaces the two weights by
 leading expert dim); the same loader shards them (w13 rows, w2 input
 columns); CUDA runs `kernels.fused_experts_quant`, the CPU dequantizes
 after loading (`dequantize`).
+
+FP8 experts: `quantize(Fp8Scheme)` makes `w13_weight` / `w2_weight` float8_e4m3fn
+with per-row `w13_weight_scale` / `w2_weight_scale` (`layers/fp8_params.py`).
+On CUDA each forward dequantizes the layer's experts into the activation dtype
+(one Triton launch per weight, `kernels.dequantize_fp8_weight`) and runs the
+16-bit grouped GEMM: weight-only, whatever the checkpoint's activation scheme
+(the experts' static input_scales are checked at load and not used). The
+temporary dense weights of one layer are the price of the simplest exact path.
+The CPU dequantizes them once, after loading.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill.layers.fp8_params import Fp8Scheme, fp8_weight, make_fp8_params, quantizing_loader
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
 from tokenmill.layers.quant_params import (
     QUANT_KINDS,
@@ -104,7 +114,7 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.intermediate_size_per_partition = i_p = intermediate_size // self.tp_size
         dtype = torch.get_default_dtype()
-        self.quant: QuantScheme | None = None  # int4/int8 experts: set by `quantize`
+        self.quant: QuantScheme | Fp8Scheme | None = None  # int4/int8 or FP8 experts: set by `quantize`
         self.create_weights(num_experts, hidden_size, intermediate_size, dtype)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
@@ -132,13 +142,17 @@ class FusedMoE(nn.Module):
         self.w13_input = InputShard(0, hidden_size, hidden_size)
         self.w2_input = InputShard(self.tp_rank * i_p, i_p, intermediate_size)
 
-    def quantize(self, scheme: QuantScheme) -> None:
-        """Replace w13_weight / w2_weight by empty int4/int8 parameters (`w13_qweight`, ..., `w2_g_idx`).
+    def quantize(self, scheme: QuantScheme | Fp8Scheme) -> None:
+        """Replace w13_weight / w2_weight by empty int4/int8 parameters (`w13_qweight`, ..., `w2_g_idx`), or with an
+        `Fp8Scheme` by FP8 ones (`w13_weight` float8_e4m3fn, `w13_weight_scale`, ...).
 
         Raises:
-            ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word, or the
-                experts have biases (the quantized kernel has none).
+            ValueError: this rank's slice of the intermediate dim starts inside a packed int32 word (int4/int8) or
+                a K block of the FP8 block scales, or int4/int8 experts have biases (the quantized kernel has none).
         """
+        if isinstance(scheme, Fp8Scheme):
+            self._quantize_fp8(scheme)
+            return
         if self.w13_bias is not None:
             raise ValueError("int4/int8 quantization of experts with biases (gpt-oss) is not supported: the quantized "
                              "fused-MoE kernel has no bias terms; serve the checkpoint's own (MXFP4 or bf16) weights.")
@@ -157,6 +171,27 @@ class FusedMoE(nn.Module):
                 self.register_buffer(f"{part}_g_idx", g_idx)
         self.quant = scheme
 
+    def _quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
+        self.params_dtype = self.w13_weight.dtype
+        parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
+                 ("w2", self.hidden_size, self.hidden_size, self.w2_input))
+        for part, rows, full_rows, shard in parts:
+            setattr(self, f"{part}_weight", None)
+            for name, param in make_fp8_params((e,), rows, full_rows, shard, scheme, device, False).items():
+                param.weight_loader, param.moe_part = self.weight_loader, part
+                self.register_parameter(f"{part}_{name}", param)
+            weight = getattr(self, f"{part}_weight")
+            weight.weight_loader = quantizing_loader(self.weight_loader, getattr(self, f"{part}_weight_scale"), scheme)
+        self.quant = scheme
+
+    def fp8_dense(self, part: str, dtype: torch.dtype) -> torch.Tensor:
+        """The dense [E, N, K] weight of FP8 experts' "w13" or "w2" in `dtype` (one dequantization of all experts)."""
+        w, s = getattr(self, f"{part}_weight"), getattr(self, f"{part}_weight_scale")
+        e, n, k = w.shape
+        flat = fp8_weight(w.reshape(e * n, k), s.reshape(e * n, *s.shape[2:]), self.quant)
+        return kernels.dequantize_fp8_weight(flat, dtype).reshape(e, n, k)
+
     def quant_tensors(self, part: str):
         """`QuantTensors` of "w13" or "w2" (after `quantize`), expert dim first."""
         assert self.quant is not None, "not a quantized layer"
@@ -166,7 +201,11 @@ class FusedMoE(nn.Module):
     def dequantize(self) -> None:
         """Replace the loaded quantized experts by dense w13_weight / w2_weight in the layer's dtype (CPU path)."""
         for part in ("w13", "w2"):
-            dense = kernels.dequantize_weight(self.quant_tensors(part), self.params_dtype)
+            if isinstance(self.quant, Fp8Scheme):
+                dense = self.fp8_dense(part, self.params_dtype)
+                self._parameters.pop(f"{part}_weight_scale")
+            else:
+                dense = kernels.dequantize_weight(self.quant_tensors(part), self.params_dtype)
             for kind in QUANT_KINDS:
                 self._parameters.pop(f"{part}_{kind}", None)
                 self._buffers.pop(f"{part}_{kind}", None)
@@ -249,7 +288,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.quant is not None:  # int4/int8 experts (no expert biases in these checkpoints)
+        if isinstance(self.quant, Fp8Scheme):  # dequantized per forward (module docstring), then the 16-bit experts
+            w13, w2 = (self.fp8_dense(p, hidden_states.dtype) for p in ("w13", "w2"))
+            w2_bias = self.w2_bias if self.tp_rank == 0 else None
+            out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
+        elif self.quant is not None:  # int4/int8 experts (no expert biases in these checkpoints)
             if hidden_states.is_cuda:
                 out = kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
                                                   topk_weights, topk_ids, self.activation)
@@ -273,7 +316,7 @@ class FusedMoE(nn.Module):
 
 # Checkpoint projection name -> FusedMoE shard id: Mixtral's w1/w2/w3 and Qwen-MoE's gate/up/down.
 _EXPERT_SHARDS = {"w1": "w1", "w3": "w3", "w2": "w2", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_SUFFIXES = "weight|qweight|scales|qzeros|g_idx"  # dense, or the quantized tensors (quant_params)
+_SUFFIXES = "weight|qweight|scales|qzeros|g_idx|weight_scale"  # dense, int4/int8 (quant_params) or FP8 (fp8_params)
 _PER_EXPERT_RE = re.compile(rf"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.({_SUFFIXES})$")
 _STACKED_RE = re.compile(rf"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.({_SUFFIXES}))?$")
 

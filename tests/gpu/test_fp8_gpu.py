@@ -1,0 +1,129 @@
+"""FP8 checkpoints on CUDA: weights stay e4m3 on the GPU, layers run `kernels.fp8_linear`, logits match the reference.
+
+A tiny random Llama is written in the fp8 block layout and as compressed-tensors FP8_DYNAMIC
+(tests/quantization/fp8_checkpoints.py) and loaded in float32 on the GPU. On cc >= 8.9 the layers run W8A8
+(the Triton FP8 GEMM for float32 activations), so each layer's reference is `kernels.fp8.fp8_linear_reference`
+with the activation quantization, and the engine's greedy tokens are compared with transformers on the
+checkpoint's dequantized weights with the same activation quantization hooked in; below 8.9 (or with
+TOKENMILL_FORCE_CC70=1) they run weight-only and the references keep the activations unquantized. `--load-format dummy --quantization fp8` on a
+bfloat16 config checks the speed-run path: FP8 parameters on the GPU, weight bytes reported, every layer equal
+to the FP8 reference of its own weights (bfloat16: torch._scaled_mm on cc >= 8.9).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineArgs
+from tokenmill.kernels.fp8 import Fp8Weight, fp8_linear_reference
+from tokenmill.layers.linear import LinearBase
+
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quantization"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+LOGIT_TOL = 1e-3  # float32 layers against the float32 reference: only the summation order differs
+
+
+def _w8a8_here() -> bool:
+    from tokenmill.kernels.triton.splitk import device_facts
+
+    return device_facts(torch.device("cuda", torch.cuda.current_device()))[0] >= (8, 9)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from checkpoints import save_tiny_hf_model
+
+    return save_tiny_hf_model("llama", str(tmp_path_factory.mktemp("dense")))
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-fp8-dynamic"])
+def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
+    """Every loaded FP8 layer equals the FP8 reference of its tensors (the device's activation scheme), and the
+    engine's greedy tokens equal transformers' on the checkpoint's weights up to near-ties."""
+    from family_utils import compare_greedy, hf_greedy
+    from fp8_checkpoints import activation_hooks, reference_fp8_state_dict, write_fp8_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.model_loader import get_model
+
+    folder = write_fp8_checkpoint(tiny_llama, str(tmp_path / layout), layout)
+    cfg = EngineArgs(model=folder, dtype="float32", skip_tokenizer_init=True, device="cuda").create_engine_config()
+    model = get_model(cfg.model_config, "cuda", "float32")
+    fp8 = [m for m in model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+    assert len(fp8) == 4 * 2 and all(m.weight.dtype == torch.float8_e4m3fn and m.weight.is_cuda for m in fp8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for layer in fp8:
+        w = layer.fp8_weight()
+        w_cpu = Fp8Weight(w.weight.cpu(), w.scale.cpu(), w.block_size, None)
+        for m in (1, 40):
+            x = torch.randn(m, layer.input_shard.size, device="cuda", generator=g)
+            ref = fp8_linear_reference(x.cpu(), w_cpu, None, _w8a8_here())
+            err = ((layer(x).cpu() - ref).abs().max() / ref.abs().max()).item()
+            assert err <= LOGIT_TOL, f"{layout}, M={m}, W8A8 {_w8a8_here()}: rel err {err:.2e}"
+    del model
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    hf.load_state_dict({k: v.float() for k, v in reference_fp8_state_dict(folder).items()})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (29, 5, 17)]
+    handles = activation_hooks(hf, folder) if _w8a8_here() else []
+    try:
+        refs = [hf_greedy(hf, p, 8) for p in prompts]
+    finally:
+        for h in handles:
+            h.remove()
+    llm = LLM(folder, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              kv_cache_memory_bytes="64M", seed=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for out, (ref_tokens, ref_logits) in zip(outs, refs):
+        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits)
+        assert ok, f"{layout}: {msg}"
+
+
+def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
+    """--load-format dummy --quantization fp8 on a bfloat16 Llama config: FP8 weights on the GPU, the start-up
+    line reports their bytes, and every layer equals the FP8 reference of its own weights."""
+    from transformers import LlamaConfig
+
+    from tokenmill.model_loader import get_model
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    config.save_pretrained(tmp_path)
+    cfg = EngineArgs(model=str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
+                     device="cuda", dtype="bfloat16").create_engine_config()
+    with caplog.at_level(logging.INFO, logger="tokenmill.model_loader.loader"):
+        model = get_model(cfg.model_config, "cuda", "bfloat16")
+    assert "fp8 e4m3 channel W8A8 dynamic, quantized at load" in caplog.text
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+    assert len(layers) == 4 * 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for layer in layers:
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        for m in (1, 40, 2048):
+            x = torch.randn(m, layer.input_shard.size, device="cuda", generator=g, dtype=torch.bfloat16)
+            ref = fp8_linear_reference(x.cpu(), Fp8Weight(layer.weight.cpu(), layer.weight_scale.cpu()),
+                                       None, _w8a8_here()).float()
+            err = ((layer(x).float().cpu() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, f"M={m}: rel err {err:.2e}"  # bfloat16 outputs (8 bits of mantissa)
+    llm = LLM(str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True, max_model_len=256,
+              gpu_memory_utilization=0.3, dtype="bfloat16")
+    try:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.0),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.shutdown()
