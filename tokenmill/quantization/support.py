@@ -33,8 +33,8 @@ from tokenmill.quantization.config import METHODS, QuantizationConfig
 
 MIN_CUDA_CAPABILITY = (7, 0)
 
-_CC80 = ("Triton FMA GEMV (M <= 2), Triton split-K (small M), Triton tiled dequantize-in-loop GEMM (medium M), dequantize + cuBLAS "
-         "(large M); MoE: Triton fused-MoE with quantized experts")
+_CC80 = ("Triton FMA GEMV (M <= 2), Triton split-K (small M), Triton tiled dequantize-in-loop GEMM (medium M), "
+         "dequantize + cuBLAS (large M); MoE: Triton fused-MoE with quantized experts")
 _CC70 = ("Triton FMA GEMV (M = 1), dequantize + cuBLAS float16 with float32 accumulation (larger M); "
          "MoE: the quantized Triton grouped fused-MoE kernel at every M (float32 FMAs, no tensor cores)")
 _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit weights in memory)"
