@@ -29,7 +29,13 @@ from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_max_model_len_fits, kv_cache_spec
+from tokenmill.worker.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_max_model_len_fits,
+    kv_cache_spec,
+    kv_storage_dtype,
+)
 from tokenmill.worker.prompt_logprobs import PromptLogprobsCollector
 
 logger = logging.getLogger(__name__)
@@ -50,7 +56,8 @@ class ModelRunner:
         # Heads and layers of this rank come from the initialized process groups (uneven splits included).
         override = None if tp_size == ps.get_tensor_model_parallel_world_size() else tp_size
         self.window_group = cc.sliding_window_group  # two KV groups (worker/kv_cache.py) when set
-        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, override,
+        self.kv_dtype = kv_storage_dtype(cc.cache_dtype, self.dtype)  # the model dtype, or fp8
+        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.kv_dtype, override,
                                                two_groups=self.window_group is not None)
         self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)
         self.pin_memory = device.type == "cuda"
