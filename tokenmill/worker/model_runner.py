@@ -23,7 +23,7 @@ from tokenmill.config.configs import EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
-from tokenmill.dtypes import parse_dtype
+from tokenmill.dtypes import dtype_name, is_fp8, parse_dtype
 from tokenmill.platforms.memory import default_cpu_kv_cache_bytes
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
@@ -81,6 +81,22 @@ class ModelRunner:
         from tokenmill.model_loader import get_model
 
         self.model = get_model(self.config.model_config, self.device, self.dtype)
+        if is_fp8(self.kv_dtype):
+            self._log_kv_scales()
+
+    def _log_kv_scales(self) -> None:
+        """One line: how many attention layers got k_scale / v_scale from the checkpoint (the rest use 1.0)."""
+        from tokenmill.layers.attention import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        scaled = sum(m.k_scale != 1.0 or m.v_scale != 1.0 for m in layers)
+        if scaled:
+            logger.info("fp8 KV cache (%s): %d of %d attention layers scaled by the checkpoint's k_scale / v_scale",
+                        dtype_name(self.kv_dtype), scaled, len(layers))
+        else:
+            logger.info("fp8 KV cache (%s): the checkpoint has no k_scale / v_scale, so K and V are stored with "
+                        "scale 1.0 (fine while |K|, |V| stay well inside fp8's range; values past it saturate)",
+                        dtype_name(self.kv_dtype))
 
     def determine_num_available_blocks(self) -> int:
         """KV blocks this device can hold.
