@@ -41,6 +41,15 @@ def test_bad_kv_cache_dtype_fails_before_loading(value):
                    "(auto = the model dtype).")
 
 
+def test_cli_bad_kv_cache_dtype_is_one_line(capsys):
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["serve", "--kv-cache-dtype", "fp9"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("Error: --kv-cache-dtype fp9 is not supported; use one of auto, fp8, fp8_e4m3, fp8_e5m2 "
+                   "(auto = the model dtype).\n")
+
+
 def test_fp8_kv_bytes_are_half_of_16_bit():
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert 2 * kv_bytes_per_block(30, 16, 3, 64, dtype) == kv_bytes_per_block(30, 16, 3, 64, torch.bfloat16)
