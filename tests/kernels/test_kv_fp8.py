@@ -30,6 +30,7 @@ from attention_reference import PagedBatch, make_paged_batch, reference_attentio
 
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.kernels.cpu import decode as cpu_decode
 from tokenmill.kernels.kv_fp8 import dequantize_kv, quantize_kv
 from tokenmill.kernels.triton.paged_attention import paged_attention
 from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache
@@ -161,7 +162,8 @@ def _sdpa_inputs(batch: PagedBatch, cache: torch.Tensor):
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("window,cap", [(None, None), (9, 3.0)])
 def test_torch_sdpa_writes_and_reads_fp8(dtype, window, cap):
-    """TORCH_SDPA (CPU): fresh prompts, chunks with context, decodes; fused-SDPA and tiled paths."""
+    """TORCH_SDPA (CPU): fresh prompts, chunks with context, decodes; fused-SDPA and tiled prefills, C-kernel
+    and gathered decodes."""
     gen = torch.Generator().manual_seed(7)
     batch = make_paged_batch([0, 21, 40, 7], [9, 13, 1, 1], num_heads=4, num_kv_heads=2, head_dim=8,
                              block_size=16, dtype=torch.float32, generator=gen)
@@ -170,7 +172,9 @@ def test_torch_sdpa_writes_and_reads_fp8(dtype, window, cap):
     k_scale, v_scale = 0.03, 0.02
     q8, deq = _quantized(batch, dtype, k_scale, v_scale)
     scale = 8**-0.5
-    for backend in (TorchSDPABackend(), TorchSDPABackend(kv_tile_size=1, decode_tile_budget=1, use_sdpa_prefill=False)):
+    # Decodes: the C kernel (when it builds), then the grouped gathers; prefills: fused SDPA, then tiles.
+    for backend in (TorchSDPABackend(), TorchSDPABackend(kv_tile_size=1, decode_tile_budget=1, use_sdpa_prefill=False,
+                                                         use_cpu_kernel=False)):
         cache = q8.clone()
         flat = cache.view(torch.uint8).view(2, -1, 2, 8)
         flat[:, md.slot_mapping] = 0  # the new tokens' slots: the backend must write them
@@ -178,6 +182,37 @@ def test_torch_sdpa_writes_and_reads_fp8(dtype, window, cap):
                               logits_soft_cap=cap, k_scale=k_scale, v_scale=v_scale)
         assert torch.equal(cache.view(torch.uint8), q8.view(torch.uint8)), "the write differs from quantize_kv"
         _check_both(batch, out, deq, scale, sliding_window=window, logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 8])  # the AVX-512 path (64 / 128) and the plain-C one
+def test_cpu_decode_kernel_reads_fp8(require_cpu_kernel, dtype, q_dtype, head_dim):
+    """The C decode kernel over an fp8 cache vs float64 over the same dequantized cache (bound 1; bfloat16
+    queries and outputs: 2e-2, as its bfloat16 test); float32: measurably off the unquantized result."""
+    from tests.attention.test_block_decode import _reference
+    from tests.kernels.test_cpu_decode_attention import SEQ_LENS, _batch, _run
+
+    lib = require_cpu_kernel(cpu_decode.load_kernel, cpu_decode._SOURCE)
+    table, cache = _batch(SEQ_LENS, 2, head_dim, 16, torch.float32, seed=head_dim)
+    k_scale, v_scale = 0.05, 0.02
+    q8 = torch.stack([quantize_kv(cache[0], k_scale, dtype), quantize_kv(cache[1], v_scale, dtype)])
+    deq = torch.stack([dequantize_kv(q8[0], k_scale, torch.float64), dequantize_kv(q8[1], v_scale, torch.float64)])
+    query = torch.randn(len(SEQ_LENS), 6, head_dim, generator=torch.Generator().manual_seed(2)).to(q_dtype)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, 7.0)
+    n = len(SEQ_LENS)
+    cpu_decode.paged_decode_attention(lib, query, q8, table, torch.arange(n), torch.arange(n),
+                                      torch.tensor(SEQ_LENS), scale, out, k_scale=k_scale, v_scale=v_scale)
+    same = _reference(query, deq, table, SEQ_LENS, scale)
+    err = (out.double() - same).abs().max().item()
+    assert err < (FLOAT_ATOL if q_dtype == torch.float32 else 2e-2), err
+    if q_dtype == torch.float32:
+        exact = _reference(query, cache, table, SEQ_LENS, scale)
+        assert (out.double() - exact).abs().max().item() > 1e-4, "fp8 storage changed nothing"
+        # ... and the same kernel on the float32 cache still matches float64 (the fp8 branch left it alone).
+        torch.testing.assert_close(_run(lib, query, cache, table, SEQ_LENS, scale).double(), exact, atol=2e-6,
+                                   rtol=1e-5)
 
 
 @pytest.mark.gpu

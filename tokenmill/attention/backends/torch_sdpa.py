@@ -40,11 +40,11 @@ and takes those instead: decodes from the cache via `block_decode`, prefill
 chunks via the tiles below.
 
 An fp8 KV cache (`--kv-cache-dtype fp8*`, `kernels/kv_fp8.py`) is written as
-k / k_scale and v / v_scale rounded to fp8, and read by the gathering paths
-only (the grouped decodes and the prefill tiles; the C kernel and
-`block_decode` read 16/32-bit caches in place): gathered fp8 K/V are cast
-exactly to the query's dtype, the score scale becomes scale * k_scale and the
-output is multiplied by v_scale. A fresh prompt then also attends over its
+k / k_scale and v / v_scale rounded to fp8. Decodes read it in place with the
+C kernel (which decodes fp8 itself) where it builds, else through the grouped
+gathers (`block_decode` reads 16/32-bit caches only); prefill chunks through
+their tiles. Gathered fp8 K/V are cast exactly to the query's dtype, the
+score scale becomes scale * k_scale and the output is multiplied by v_scale. A fresh prompt then also attends over its
 stored (fp8) K/V instead of the step's 16-bit ones, so a prefix-cache hit and
 a fresh prefill see the same keys (as TRITON_ATTN, which always reads the
 cache).
@@ -175,12 +175,14 @@ class TorchSDPABackend:
         if not fp8:
             k_scale = v_scale = 1.0
         write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n], k_scale, v_scale)
-        from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype == kv_cache.dtype
-                      and kv_cache.dtype in _BLOCK_DECODE_DTYPES)
+        from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype in _BLOCK_DECODE_DTYPES
+                      and (query.dtype == kv_cache.dtype or fp8))
         kernel = None
         # The C decode kernel has no sink term: sink layers decode with block_decode.
         if from_cache and self.use_cpu_kernel and sinks is None and cpu_decode.kernel_supports(query, kv_cache):
             kernel = cpu_decode.load_kernel()
+        if fp8 and kernel is None:
+            from_cache = False  # block_decode reads 16/32-bit caches only: gather and cast instead
         plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
                               kernel is not None)
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -193,7 +195,7 @@ class TorchSDPABackend:
             assert kernel is not None and plan.decode_tokens is not None and plan.decode_seq_lens is not None
             cpu_decode.paged_decode_attention(kernel, query, kv_cache, attn_metadata.block_table, plan.decode_reqs,
                                               plan.decode_tokens, plan.decode_seq_lens, scale, out,
-                                              sliding_window, logits_soft_cap)
+                                              sliding_window, logits_soft_cap, k_scale, v_scale)
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
             o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap, sinks)  # 16/32-bit
