@@ -158,6 +158,7 @@ def test_cache_config_info_shows_the_kv_cache_dtype():
     from tokenmill.entrypoints.openai.metrics import cache_config_info
 
     m = ServerMetrics("m", vllm_names=True, cache_info=cache_config_info(CacheConfig(block_size=32, cache_dtype="fp8")))
-    labels = {"block_size": "32", "cache_dtype": "fp8", "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9"}
+    labels = {"block_size": "32", "cache_dtype": "fp8", "enable_prefix_caching": "True",
+              "gpu_memory_utilization": "0.9"}
     assert _value(m, "tokenmill:cache_config_info", **labels) == 1 == _value(m, "vllm:cache_config_info", **labels)
     assert b"cache_config_info" not in ServerMetrics("m").render()

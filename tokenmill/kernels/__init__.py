@@ -178,7 +178,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """Varlen attention of mixed prefill chunks and decodes over the paged KV cache, Triton.
 
     Arguments and keyword options (num_reqs, max_query_len, scale, sliding_window, logits_soft_cap, out,
-    max_seq_len, sinks, k_scale / v_scale of an fp8 cache, launch settings) as `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
+    max_seq_len, sinks, k_scale / v_scale of an fp8 cache, launch settings) as
+    `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
     """
     from tokenmill.kernels.triton.paged_attention import paged_attention as triton_paged_attention
 
