@@ -48,3 +48,11 @@ def store_kv(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: f
         cache.view(torch.uint8).index_copy_(0, slots, quantize_kv(x, scale, cache.dtype).view(torch.uint8))
     else:
         cache.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, ...] rows `block_ids` [n] int64 -> [n, ...] in cache's dtype; an fp8 cache is gathered
+    through its uint8 bits (not every device has an fp8 index_select)."""
+    if is_fp8(cache.dtype):
+        return cache.view(torch.uint8).index_select(0, block_ids).view(cache.dtype)
+    return cache.index_select(0, block_ids)

@@ -66,7 +66,7 @@ from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sd
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.dtypes import is_fp8
 from tokenmill.kernels.cpu import decode as cpu_decode
-from tokenmill.kernels.kv_fp8 import store_kv
+from tokenmill.kernels.kv_fp8 import gather_blocks, store_kv
 
 # CPU cache dtypes that block_decode reads in place (its matmuls run in the cache's dtype).
 _BLOCK_DECODE_DTYPES = (torch.float32, torch.bfloat16)
@@ -389,8 +389,8 @@ def _tile_scores(q_flat, kv_cache, tile, scale, cap):
     would first copy K into [B, Hkv, T, D]).
     """
     bsz, num_kv_heads, rows, head_dim = q_flat.shape
-    k = kv_cache[0].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    k = gather_blocks(kv_cache[0], tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    v = gather_blocks(kv_cache[1], tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
     if k.dtype != q_flat.dtype:
         k, v = k.to(q_flat.dtype), v.to(q_flat.dtype)
     s = torch.stack([torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1)
