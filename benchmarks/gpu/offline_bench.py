@@ -185,7 +185,8 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     kwargs: dict[str, Any] = {
         "load_format": "dummy", "dtype": args.dtype, "skip_tokenizer_init": True, "seed": 0,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "device": args.device,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+        "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
+        "kv_cache_dtype": args.kv_cache_dtype}
     for name in ("max_num_batched_tokens", "kv_cache_memory_bytes", "quantization"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -209,11 +210,12 @@ def engine_facts(llm: Any, startup_s: float) -> dict[str, Any]:
         "kv_blocks": cc.num_gpu_blocks, "block_size": cc.block_size, "kv_tokens": cc.num_gpu_blocks * cc.block_size,
         "kv_gib": cc.num_gpu_blocks * kv_cache_bytes_per_block(cfg) / 2**30, "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens, "max_model_len": sc.max_model_len,
-        "dtype": cfg.model_config.dtype, "device": cfg.device_config.device,
+        "dtype": cfg.model_config.dtype, "kv_cache_dtype": cc.cache_dtype, "device": cfg.device_config.device,
         "enforce_eager": cfg.device_config.enforce_eager, "force_cc70": cfg.device_config.force_cc70}
     print(f"tokenmill: start-up {startup_s:.1f} s; KV cache: {facts['kv_blocks']} blocks x {facts['block_size']} "
           f"tokens = {facts['kv_tokens']} tokens ({facts['kv_gib']:.2f} GiB); max_num_seqs {facts['max_num_seqs']}, "
           f"max_num_batched_tokens {facts['max_num_batched_tokens']}, {facts['dtype']}, "
+          f"kv cache dtype {facts['kv_cache_dtype']}, "
           f"enforce_eager {facts['enforce_eager']}", flush=True)
     return facts
 
@@ -545,6 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-memory-bytes", default=None, help="explicit KV size, e.g. 64M (CPU smoke runs)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)

@@ -30,6 +30,12 @@
 #   qcc70-fp8  offline, the FP8 config on the cc-7.0 path (weight-only, e4m3 bits decoded in the kernel; fp16)
 #   qmoe     offline, Qwen3-30B-A3B GPTQ-Int4 config
 #   qcc70, qtpot-cc70   the AWQ config on the cc-7.0 path (fp16)
+#   kvfp8    the fp8 KV-cache kernel tests at real sizes (tests/kernels/test_kv_fp8.py), the engine ones
+#            (tests/gpu/test_kv_cache_fp8_cuda.py: CUDA graphs, 2x tokens) and the 16-bit
+#            paged-attention / cache-write tests (nothing regressed)
+#   kvfp8-tpot, kvfp8-offline   tpot / offline (--hf-prompts 0) with --kv-cache-dtype fp8 (Llama-3.1-8B
+#            config, bf16 weights): compare TPOT and "KV cache: ... tokens" with the tpot / offline parts
+#   kvfp8-cc70   tpot with --kv-cache-dtype fp8 on the cc-7.0 path (fp16, TOKENMILL_FORCE_CC70=1)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -71,6 +77,10 @@ for spec in "$@"; do
     qmoe)    cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b-gptq-int4.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qmoe.json" ;;
     qcc70)   cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70.json" ;;
     qtpot-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --git-commit $COMMIT --json-out $OUT/qtpot-cc70.json" ;;
+    kvfp8)   cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_kv_fp8.py tests/gpu/test_kv_cache_fp8_cuda.py tests/kernels/test_triton_paged_attention.py tests/kernels/test_triton_reshape_and_cache.py" ;;
+    kvfp8-tpot) cmd="python benchmarks/gpu/offline_bench.py --part tpot --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-tpot.json" ;;
+    kvfp8-offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --hf-prompts 0 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-offline.json" ;;
+    kvfp8-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-cc70.json" ;;
     *) echo "unknown part $part"; continue ;;
   esac
   echo "=== $part: $cmd"

@@ -151,3 +151,14 @@ def test_metrics_turn_cumulative_stats_into_increments_and_time_requests():
     assert _value(m, "tokenmill:e2e_request_latency_seconds_sum") == pytest.approx(1.5)
     m.observe_aborted([_state(0.0, 1)])
     assert _value(m, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_cache_config_info_shows_the_kv_cache_dtype():
+    from tokenmill.config.configs import CacheConfig
+    from tokenmill.entrypoints.openai.metrics import cache_config_info
+
+    m = ServerMetrics("m", vllm_names=True, cache_info=cache_config_info(CacheConfig(block_size=32, cache_dtype="fp8")))
+    labels = {"block_size": "32", "cache_dtype": "fp8", "enable_prefix_caching": "True",
+              "gpu_memory_utilization": "0.9"}
+    assert _value(m, "tokenmill:cache_config_info", **labels) == 1 == _value(m, "vllm:cache_config_info", **labels)
+    assert b"cache_config_info" not in ServerMetrics("m").render()

@@ -177,9 +177,9 @@ def test_not_built_flag_fails_start_up_with_its_sentence(info, monkeypatch, caps
 
 def test_not_built_flags_off_values_pass_silently(caplog):
     with caplog.at_level(logging.WARNING):
-        consumed = check_compat_flags({"cpu_offload_gb": "0", "kv_cache_dtype": "auto", "task": "generate",
+        consumed = check_compat_flags({"cpu_offload_gb": "0", "data_parallel_size": "1", "task": "generate",
                                        "enable_lora": False, "quantization": None})
-    assert sorted(consumed) == ["cpu_offload_gb", "enable_lora", "kv_cache_dtype", "task"]
+    assert sorted(consumed) == ["cpu_offload_gb", "data_parallel_size", "enable_lora", "task"]
     assert caplog.records == []
 
 

@@ -131,8 +131,8 @@ def test_kv_cache_too_small_names_largest_len(smollm2_gguf, caplog):
                           executor_class=ScriptedExecutor)
     assert core.executor.initialized == 10
     # 30 layers * 2 * 16 tokens * 3 heads * 64 * 4 B = 737280 B per block.
-    assert "KV cache: 10 blocks x 16 tokens = 160 tokens (0.01 GiB); max concurrency at max_model_len=64: 2.5x" \
-        in caplog.text
+    assert ("KV cache: 10 blocks x 16 tokens = 160 tokens (0.01 GiB, float32); max concurrency at "
+            "max_model_len=64: 2.5x") in caplog.text
 
 
 def test_check_kv_cache_fits_boundary():

@@ -1,5 +1,8 @@
 """Compile the Triton kernels for sm_70 (V100) and sm_90 (H100/H200) without a GPU.
 
+The fp8 KV-cache variants (uint8 cache bits, integer encode / decode) are compiled for sm_70 too:
+no FP8 instruction is needed there.
+
 triton.compile with an explicit GPUTarget needs no driver: the NVIDIA backend
 lowers to PTX with LLVM and assembles a cubin with the ptxas bundled in the
 triton wheel. It runs in a subprocess because the test session may have set
@@ -39,35 +42,44 @@ SCRIPT = textwrap.dedent(
     results = []
     for cc in (70, 90):
         stages = triton_launch_settings((cc // 10, cc % 10))["num_stages"]
-        if cc == 70:  # KV write, fp16
-            cx = dict(BLOCK_SIZE=16, BLOCK_H=8, HEAD_DIM_PAD=128)
-            ptrs = {"key_ptr": "*fp16", "value_ptr": "*fp16", "kv_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}
-            src = triton.compiler.ASTSource(fn=reshape_and_cache_kernel, signature=sig_of(reshape_and_cache_kernel, ptrs, (), cx), constexprs=cx)
+        # KV write: fp16 cache on sm_70; fp8 caches (uint8 bits, integer encode) on both.
+        for name, kv_fp8, act in (("kv_write", 0, "*fp16"), ("kv_write_e4m3", 1, "*fp16" if cc == 70 else "*bf16"),
+                                  ("kv_write_e5m2", 2, "*fp16" if cc == 70 else "*bf16")):
+            if cc == 90 and kv_fp8 == 0:
+                continue
+            cx = dict(BLOCK_SIZE=16, BLOCK_H=8, HEAD_DIM_PAD=128, KV_FP8=kv_fp8)
+            ptrs = {"key_ptr": act, "value_ptr": act, "kv_cache_ptr": "*u8" if kv_fp8 else act, "slot_mapping_ptr": "*i64"}
+            src = triton.compiler.ASTSource(fn=reshape_and_cache_kernel, signature=sig_of(reshape_and_cache_kernel, ptrs, ("k_scale", "v_scale"), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
-            results.append(dict(kernel="kv_write", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+            results.append(dict(kernel=name, cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+        if cc == 70:
             cx = dict(SPLITS_PAD=4, HEAD_DIM_PAD=128, USE_SINKS=True)
             ptrs = {"out_ptr": "*fp16", "partial_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": "*fp32"}
             src = triton.compiler.ASTSource(fn=merge_splits_kernel, signature=sig_of(merge_splits_kernel, ptrs, (), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
             results.append(dict(kernel="merge_splits", cc=cc, ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
-        # Attention, fp16, window + softcap on. sm_70: decode tiles at head_dim 128 on the
-        # split-KV path, and the largest prefill tiles (head_dim 256); sm_90: prefill tiles
-        # at head_dim 128. (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
-        shapes = ((1, 128, 4), (512, 256, 1)) if cc == 70 else ((512, 128, 1),)
-        for max_q, head_dim, splits in shapes:
+        # Attention, window + softcap on. sm_70 (fp16): decode tiles at head_dim 128 on the
+        # split-KV path (16-bit and e4m3 caches), and the largest prefill tiles (head_dim 256);
+        # sm_90: prefill tiles at head_dim 128 (fp16), and bf16 decode tiles over an e5m2 cache.
+        # (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
+        shapes = (((1, 128, 4, 0), (1, 128, 4, 1), (512, 256, 1, 0)) if cc == 70
+                  else ((512, 128, 1, 0), (1, 128, 4, 2)))
+        for max_q, head_dim, splits, kv_fp8 in shapes:
+            act = "*bf16" if cc == 90 and kv_fp8 else "*fp16"
             cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
             cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
-                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1)
-            ptrs = {"out_ptr": "*fp32" if splits > 1 else "*fp16", "lse_ptr": "*fp32", "q_ptr": "*fp16",
-                    "kv_cache_ptr": "*fp16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                    "sinks_ptr": "*fp32"}
+                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1, KV_FP8=kv_fp8)
+            ptrs = {"out_ptr": "*fp32" if splits > 1 else act, "lse_ptr": "*fp32", "q_ptr": act,
+                    "kv_cache_ptr": "*u8" if kv_fp8 else act, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                    "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"}
             src = triton.compiler.ASTSource(fn=paged_attention_kernel,
-                                            signature=sig_of(paged_attention_kernel, ptrs, ("scale", "softcap"), cx), constexprs=cx)
+                                            signature=sig_of(paged_attention_kernel, ptrs, ("scale", "v_scale", "softcap"), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
-            results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}", cc=cc,
+            suffix = {0: "", 1: "_e4m3", 2: "_e5m2"}[kv_fp8]
+            results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}{suffix}", cc=cc,
                                 ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
     # Fused elementwise kernels (RMSNorm, RoPE, gated activations): float16 on sm_70
@@ -116,7 +128,9 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     elementwise = ["rms_norm_add_d4096", "rms_norm_gemma_heads_d128", "rotary_neox_d128", "rotary_gptj_partial_d80",
                    "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
-        ("kv_write", 70), ("merge_splits", 70), ("attention_q1_d128", 70), ("attention_q512_d256", 70), ("attention_q512_d128", 90)
+        ("kv_write", 70), ("kv_write_e4m3", 70), ("kv_write_e5m2", 70), ("merge_splits", 70), ("attention_q1_d128", 70),
+        ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
+        ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90)
     ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"

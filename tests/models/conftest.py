@@ -20,7 +20,7 @@ class DenseCausalBackend:
     name = "TEST_DENSE"
 
     def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None,
-                logits_soft_cap=None, sinks=None):
+                logits_soft_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
         out = torch.empty_like(query)
         starts = attn_metadata.query_start_loc_cpu
         group = query.shape[1] // key.shape[1]

@@ -83,7 +83,7 @@ def test_an_explicit_size_wins_and_cpu_leaves_the_default_to_the_worker():
     from tokenmill.config.resolve import _resolve_cache_config
 
     args = SimpleNamespace(kv_cache_memory_bytes=None, block_size=16, num_gpu_blocks_override=None,
-                           gpu_memory_utilization=0.9, enable_prefix_caching=True)
+                           gpu_memory_utilization=0.9, enable_prefix_caching=True, kv_cache_dtype="auto")
     cpu = SimpleNamespace(device_type="cpu")
     assert _resolve_cache_config(args, cpu).kv_cache_memory_bytes is None
     args.kv_cache_memory_bytes = "256M"

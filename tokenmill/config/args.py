@@ -42,6 +42,7 @@ class EngineArgs:
     chat_template: str | None = None
     # cache
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     kv_cache_memory_bytes: int | str | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -104,6 +105,10 @@ class EngineArgs:
         g.add_argument("--chat-template", default=None, help="Chat template file or inline Jinja text (default: the tokenizer's).")
         g = parser.add_argument_group("cache")
         g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       help="auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: the KV cache in 8 bits (about 2x "
+                            "the tokens of a 16-bit cache), scaled per layer by the checkpoint's k_scale / v_scale "
+                            "(1.0 without them); docs/quantization.md.")
         g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
                        help="KV cache size, e.g. 4G (CPU default: 0.4 x the memory available after loading the "
                             "weights, cgroup limit included, at most 16 GiB; on GPU overrides "

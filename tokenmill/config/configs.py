@@ -76,6 +76,9 @@ class ModelConfig:
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
+    # --kv-cache-dtype as given (vLLM's name): auto = the model dtype, fp8 / fp8_e4m3 / fp8_e5m2 = 8-bit KV
+    # (`dtypes.kv_cache_dtype` turns it into the storage dtype).
+    cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None  # explicit KV size (CPU default: from free memory, platforms/memory.py)
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9

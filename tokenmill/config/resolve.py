@@ -26,7 +26,7 @@ from tokenmill.config.configs import (
     SchedulerConfig,
     parse_size,
 )
-from tokenmill.dtypes import DTYPE_ALIASES, dtype_name
+from tokenmill.dtypes import DTYPE_ALIASES, KV_CACHE_DTYPES, dtype_name, kv_cache_dtype
 from tokenmill.model_loader.hf_config import load_generation_config, load_hf_config
 from tokenmill.model_loader.source import BUNDLED_MODEL_NAME, ModelSource, resolve_model_source
 from tokenmill.models.registry import get_supported_archs, resolve_model_cls
@@ -143,6 +143,7 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
                          "tokenizer) or slow.")
     if args.max_seq_len_to_capture < 1:
         raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {args.max_seq_len_to_capture}.")
+    kv_cache_dtype(args.kv_cache_dtype, torch.float32)  # an unknown name fails here, before anything loads
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
 
@@ -338,8 +339,13 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
                     "caching is off with two groups (--disable-hybrid-kv-cache-manager keeps one group, full-length "
                     "KV on every layer, and prefix caching)", window)
         prefix_caching = False
+    cache_dtype = str(args.kv_cache_dtype).lower()
+    if cache_dtype != "auto":
+        logger.info("KV cache dtype %s (%s): K and V stored in 8 bits, scaled per layer by the checkpoint's "
+                    "k_scale / v_scale (1.0 where it has none)", cache_dtype, dtype_name(KV_CACHE_DTYPES[cache_dtype]))
     return CacheConfig(
         block_size=args.block_size,
+        cache_dtype=cache_dtype,
         kv_cache_memory_bytes=kv_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,

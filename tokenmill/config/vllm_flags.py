@@ -9,7 +9,7 @@ Each flag is one of:
 The ignored and not-built flags are defined here (`add_compat_cli_args`), so a
 vLLM launch script parses; `check_compat_flags` then logs or refuses them
 before anything loads. A not-built flag given its "off" value (`--cpu-offload-gb 0`,
-`--kv-cache-dtype auto`, `--task generate`) asks for nothing and passes silently.
+`--data-parallel-size 1`, `--task generate`) asks for nothing and passes silently.
 
 `python -m tokenmill.config.vllm_flags` prints the markdown table of docs/flags.md.
 """
@@ -89,6 +89,9 @@ FLAGS: tuple[FlagInfo, ...] = (
        ("--chat-template", "{{ messages[0]['content'] }}")),
     # --- cache ---
     _i("--block-size", "Tokens per KV-cache block.", ("--block-size", "32")),
+    _i("--kv-cache-dtype", "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: K and V stored in 8 bits (about "
+       "2x the tokens), scaled per layer by the checkpoint's k_scale / v_scale (1.0 without them); every device "
+       "and backend (docs/quantization.md).", ("--kv-cache-dtype", "fp8")),
     _i("--kv-cache-memory-bytes", "KV cache size (CPU default 4 GiB; on GPU overrides --gpu-memory-utilization).",
        ("--kv-cache-memory-bytes", "1G")),
     _i("--num-gpu-blocks-override", "Fix the number of KV blocks.", ("--num-gpu-blocks-override", "64")),
@@ -202,7 +205,8 @@ FLAGS: tuple[FlagInfo, ...] = (
          ("--otlp-traces-endpoint", "http://127.0.0.1:4317")),
     _ign("--collect-detailed-traces", "OpenTelemetry tracing is not built; use /metrics.",
          ("--collect-detailed-traces", "all")),
-    _ign("--calculate-kv-scales", "the KV cache is stored in the model dtype (no fp8 KV scales).",
+    _ign("--calculate-kv-scales", "fp8 KV scales come from the checkpoint (k_scale / v_scale, else 1.0); they "
+         "are not computed from the first batch.",
          ("--calculate-kv-scales",), kind="switch"),
     _ign("--limit-mm-per-prompt", "the supported models are text-only.", ("--limit-mm-per-prompt", '{"image": 0}')),
     _ign("--enable-prompt-tokens-details", "usage.prompt_tokens_details.cached_tokens is always reported.",
@@ -214,8 +218,6 @@ FLAGS: tuple[FlagInfo, ...] = (
          kind="switch"),
     _ign("--worker-use-ray", "pass --distributed-executor-backend ray for Ray.", ("--worker-use-ray",), kind="switch"),
     # --- not built yet: start-up fails ---
-    _nb("--kv-cache-dtype", "an fp8 KV cache is not supported yet; use --kv-cache-dtype auto (the model dtype).",
-        ("--kv-cache-dtype", "fp8"), inert=("auto",)),
     _nb("--enable-lora", "LoRA adapters are not supported yet; merge the adapter into the weights, or serve the "
         "base model.", ("--enable-lora",), kind="switch"),
     _nb("--lora-modules", "LoRA adapters are not supported yet; merge the adapter into the weights, or serve the "

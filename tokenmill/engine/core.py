@@ -47,7 +47,7 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     The formula is `worker.kv_cache.kv_bytes_per_block`, over the unsplit model
     (every layer, every KV head). Raises ValueError for an unknown dtype name.
     """
-    from tokenmill.worker.kv_cache import kv_bytes_per_block
+    from tokenmill.worker.kv_cache import kv_bytes_per_block, kv_storage_dtype
 
     mc = engine_config.model_config
     hf = mc.hf_config
@@ -57,7 +57,8 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     num_layers = int(getattr(hf, "num_hidden_layers", 1))
     if engine_config.cache_config.sliding_window_group is not None:
         num_layers //= 2  # the two groups' layers share tensors pairwise (worker/kv_cache.py)
-    return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, mc.dtype)
+    kv_dtype = kv_storage_dtype(engine_config.cache_config.cache_dtype, mc.dtype)
+    return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, kv_dtype)
 
 
 def _executor_class(engine_config: EngineConfig) -> type[Executor]:
@@ -108,24 +109,28 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(engine_config)
 
     def _log_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        from tokenmill.worker.kv_cache import blocks_per_sequence
+        from tokenmill.dtypes import dtype_name
+        from tokenmill.worker.kv_cache import blocks_per_sequence, kv_storage_dtype
 
         tokens = num_blocks * block_size
         gib = num_blocks * kv_cache_bytes_per_block(self.engine_config) / 2**30
+        kv_dtype = dtype_name(kv_storage_dtype(self.engine_config.cache_config.cache_dtype,
+                                               self.engine_config.model_config.dtype))
         window = self.engine_config.cache_config.sliding_window_group
         if window is not None:
             # Two groups: a sequence holds its full length in the full-attention group and about the window
             # in the sliding-window group, out of one pool of blocks that each cost half the layers.
             need = blocks_per_sequence(max_model_len, block_size, window,
                                        self.engine_config.scheduler_config.max_num_batched_tokens)
-            logger.info("KV cache: %d blocks x %d tokens (%.2f GiB) for the full-attention and the sliding-window "
-                        "layers (window %d tokens); a max_model_len=%d sequence holds at most %d blocks: max "
-                        "concurrency %.1fx requests (%d full-length tokens when the windows are short)",
-                        num_blocks, block_size, gib, window, max_model_len, need, num_blocks / need,
+            logger.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) for the full-attention and the "
+                        "sliding-window layers (window %d tokens); a max_model_len=%d sequence holds at most %d "
+                        "blocks: max concurrency %.1fx requests (%d full-length tokens when the windows are short)",
+                        num_blocks, block_size, gib, kv_dtype, window, max_model_len, need, num_blocks / need,
                         tokens * -(-max_model_len // block_size) // need)
             return
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: "
-                    "%.1fx requests", num_blocks, block_size, tokens, gib, max_model_len, tokens / max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
+                    "max_model_len=%d: %.1fx requests", num_blocks, block_size, tokens, gib, kv_dtype, max_model_len,
+                    tokens / max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a processed request. `sampling_params.max_tokens` must be set (InputProcessor does it).

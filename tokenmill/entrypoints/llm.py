@@ -34,7 +34,7 @@ class LLM:
             max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
             kv_cache_memory_bytes, num_gpu_blocks_override, tokenizer,
             skip_tokenizer_init, load_format, seed, generation_config,
-            enable_prefix_caching, quantization, ...
+            enable_prefix_caching, quantization, kv_cache_dtype, ...
 
     Attributes:
         llm_engine: the `LLMEngine` (its `get_stats()` has the scheduler counters).

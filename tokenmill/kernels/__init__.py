@@ -23,6 +23,8 @@ Entry points (layers and attention backends call these, never a kernel module):
 
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
 FP8 (e4m3fn) schemes, scales and references: `fp8.py` (`Fp8Weight`).
+fp8 KV cache (e4m3fn / e5m2, per-layer k_scale / v_scale): `kv_fp8.py` (PyTorch rule and CPU path),
+    `triton/kv_fp8.py` (bit encode / decode inside reshape_and_cache and paged_attention).
     CPU decode attention -                                  cpu/decode.py (`kernels.cpu.decode`)
 
 The elementwise entry points return None where no kernel takes the inputs
@@ -162,12 +164,13 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T]
-    (slot -1 skipped), in place, with the Triton kernel (`kernels.triton.reshape_and_cache`)."""
+    (slot -1 skipped), in place, with the Triton kernel (`kernels.triton.reshape_and_cache`); an fp8
+    cache stores key / k_scale and value / v_scale rounded to fp8 (`kernels/kv_fp8.py`)."""
     from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache as triton_reshape_and_cache
 
-    triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    triton_reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -175,7 +178,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """Varlen attention of mixed prefill chunks and decodes over the paged KV cache, Triton.
 
     Arguments and keyword options (num_reqs, max_query_len, scale, sliding_window, logits_soft_cap, out,
-    max_seq_len, launch settings) as `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
+    max_seq_len, sinks, k_scale / v_scale of an fp8 cache, launch settings) as
+    `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
     """
     from tokenmill.kernels.triton.paged_attention import paged_attention as triton_paged_attention
 

@@ -33,7 +33,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from tokenmill.distributed.pp_comm import IntermediateTensors
 from tokenmill.layers.activation import get_act_and_mul_fn
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention import Attention, set_kv_scale
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.fused_moe import FusedMoE, load_expert_weight
 from tokenmill.layers.layernorm import RMSNorm
@@ -353,6 +353,8 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             if name.endswith(_ROTARY_BUFFERS) or (tied and name.startswith("lm_head.")):
                 continue
             name = rename(name)
+            if set_kv_scale(model, name, tensor):  # fp8 KV-cache scales: floats on the Attention layers
+                continue
             target = load_expert_weight(params, name, tensor)  # expert names must not hit ".gate_proj"
             if target is not None:
                 loaded.add(target)

@@ -23,13 +23,19 @@ from tokenmill.config.configs import EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
-from tokenmill.dtypes import parse_dtype
+from tokenmill.dtypes import dtype_name, is_fp8, parse_dtype
 from tokenmill.platforms.memory import default_cpu_kv_cache_bytes
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
 from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_max_model_len_fits, kv_cache_spec
+from tokenmill.worker.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_max_model_len_fits,
+    kv_cache_spec,
+    kv_storage_dtype,
+)
 from tokenmill.worker.prompt_logprobs import PromptLogprobsCollector
 
 logger = logging.getLogger(__name__)
@@ -50,7 +56,8 @@ class ModelRunner:
         # Heads and layers of this rank come from the initialized process groups (uneven splits included).
         override = None if tp_size == ps.get_tensor_model_parallel_world_size() else tp_size
         self.window_group = cc.sliding_window_group  # two KV groups (worker/kv_cache.py) when set
-        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.dtype, override,
+        self.kv_dtype = kv_storage_dtype(cc.cache_dtype, self.dtype)  # the model dtype, or fp8
+        self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.kv_dtype, override,
                                                two_groups=self.window_group is not None)
         self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)
         self.pin_memory = device.type == "cuda"
@@ -74,6 +81,22 @@ class ModelRunner:
         from tokenmill.model_loader import get_model
 
         self.model = get_model(self.config.model_config, self.device, self.dtype)
+        if is_fp8(self.kv_dtype):
+            self._log_kv_scales()
+
+    def _log_kv_scales(self) -> None:
+        """One line: how many attention layers got k_scale / v_scale from the checkpoint (the rest use 1.0)."""
+        from tokenmill.layers.attention import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        scaled = sum(m.k_scale != 1.0 or m.v_scale != 1.0 for m in layers)
+        if scaled:
+            logger.info("fp8 KV cache (%s): %d of %d attention layers scaled by the checkpoint's k_scale / v_scale",
+                        dtype_name(self.kv_dtype), scaled, len(layers))
+        else:
+            logger.info("fp8 KV cache (%s): the checkpoint has no k_scale / v_scale, so K and V are stored with "
+                        "scale 1.0 (fine while |K|, |V| stay well inside fp8's range; values past it saturate)",
+                        dtype_name(self.kv_dtype))
 
     def determine_num_available_blocks(self) -> int:
         """KV blocks this device can hold.

@@ -15,6 +15,8 @@ class AttentionBackend(Protocol):
     `forward` first writes the step's new keys/values into `kv_cache` at
     `attn_metadata.slot_mapping` (slot -1 is skipped), then computes causal
     attention of each new token over its request's cached + new tokens.
+    `kv_cache` is in the model dtype or in fp8 (float8_e4m3fn / float8_e5m2,
+    `kernels/kv_fp8.py`); every backend reads and writes both.
     """
 
     name: str
@@ -32,5 +34,9 @@ class AttentionBackend(Protocol):
         logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
         # [num_heads] float32 logit per head added to each softmax denominator as exp(sink), no value (gpt-oss)
         sinks: torch.Tensor | None = None,
+        # fp8 KV cache (`--kv-cache-dtype fp8*`): the layer's scales, host floats; stored k / k_scale, read
+        # q8 * k_scale (likewise v). A cache in the model dtype ignores them.
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -39,6 +39,16 @@ kernel and torch's fused SDPA (neither can add a term to its denominator)
 and takes those instead: decodes from the cache via `block_decode`, prefill
 chunks via the tiles below.
 
+An fp8 KV cache (`--kv-cache-dtype fp8*`, `kernels/kv_fp8.py`) is written as
+k / k_scale and v / v_scale rounded to fp8. Decodes read it in place with the
+C kernel (which decodes fp8 itself) where it builds, else through the grouped
+gathers (`block_decode` reads 16/32-bit caches only); prefill chunks through
+their tiles. Gathered fp8 K/V are cast exactly to the query's dtype, the
+score scale becomes scale * k_scale and the output is multiplied by v_scale. A fresh prompt then also attends over its
+stored (fp8) K/V instead of the step's 16-bit ones, so a prefix-cache hit and
+a fresh prefill see the same keys (as TRITON_ATTN, which always reads the
+cache).
+
 Everything that depends only on the step's metadata (which blocks each
 group reads, the causal/window masks as additive biases) is planned once per
 step and window, on the first layer, and reused by every other layer.
@@ -54,7 +64,9 @@ import torch
 from tokenmill.attention.backends.block_decode import BlockDecodePlan, block_decode_attention, plan_block_decode
 from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sdpa
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.dtypes import is_fp8
 from tokenmill.kernels.cpu import decode as cpu_decode
+from tokenmill.kernels.kv_fp8 import gather_blocks, store_kv
 
 # CPU cache dtypes that block_decode reads in place (its matmuls run in the cache's dtype).
 _BLOCK_DECODE_DTYPES = (torch.float32, torch.bfloat16)
@@ -148,21 +160,29 @@ class TorchSDPABackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Write K/V to the cache, then attend. See `AttentionBackend.forward`.
 
         Shapes: query [T, H, D], key/value [T, Hkv, D], kv_cache [2, num_blocks,
-        block_size, Hkv, D]; returns [T, H, D] in query's dtype. Rows past
-        `num_actual_tokens` (padding) are left zero.
+        block_size, Hkv, D] (query's dtype, or fp8 with the layer's host-float
+        `k_scale` / `v_scale`; a 16/32-bit cache ignores them); returns [T, H, D]
+        in query's dtype. Rows past `num_actual_tokens` (padding) are left zero.
         """
         n = attn_metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n])
-        from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype == kv_cache.dtype
-                      and kv_cache.dtype in _BLOCK_DECODE_DTYPES)
+        fp8 = is_fp8(kv_cache.dtype)
+        if not fp8:
+            k_scale = v_scale = 1.0
+        write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n], k_scale, v_scale)
+        from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype in _BLOCK_DECODE_DTYPES
+                      and (query.dtype == kv_cache.dtype or fp8))
         kernel = None
         # The C decode kernel has no sink term: sink layers decode with block_decode.
         if from_cache and self.use_cpu_kernel and sinks is None and cpu_decode.kernel_supports(query, kv_cache):
             kernel = cpu_decode.load_kernel()
+        if fp8 and kernel is None:
+            from_cache = False  # block_decode reads 16/32-bit caches only: gather and cast instead
         plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
                               kernel is not None)
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -175,30 +195,31 @@ class TorchSDPABackend:
             assert kernel is not None and plan.decode_tokens is not None and plan.decode_seq_lens is not None
             cpu_decode.paged_decode_attention(kernel, query, kv_cache, attn_metadata.block_table, plan.decode_reqs,
                                               plan.decode_tokens, plan.decode_seq_lens, scale, out,
-                                              sliding_window, logits_soft_cap)
+                                              sliding_window, logits_soft_cap, k_scale, v_scale)
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
-            o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap, sinks)
+            o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap, sinks)  # 16/32-bit
             out.index_copy_(0, plan.decode_tokens, o.to(out.dtype))
         for g in plan.decodes:
             assert g.tokens is not None and g.tiles is not None
             q5 = query.index_select(0, g.tokens).view(-1, num_kv_heads, group, 1, head_dim)
-            o = _attend(q5, kv_cache, g.tiles, scale, logits_soft_cap, sinks)
+            o = _attend(q5, kv_cache, g.tiles, scale, logits_soft_cap, sinks, k_scale, v_scale)
             out.index_copy_(0, g.tokens, o.view(-1, num_heads, head_dim))
         for g in plan.prefills:
             q = query[g.start : g.end]
             if self.use_sdpa_prefill and logits_soft_cap is None and sinks is None:
-                if g.fresh:
+                if g.fresh and not fp8:
                     out[g.start : g.end] = fresh_prefill_sdpa(q, key[g.start : g.end], value[g.start : g.end],
                                                                scale, sliding_window)
                     continue
                 tiles = g.get_tiles()
                 if len(tiles) == 1:
-                    out[g.start : g.end] = chunk_sdpa(q, kv_cache, tiles[0].block_ids, tiles[0].bias, scale)
+                    o = chunk_sdpa(q, kv_cache, tiles[0].block_ids, tiles[0].bias, scale * k_scale)
+                    out[g.start : g.end] = o if v_scale == 1.0 else o * v_scale
                     continue
             qlen = g.end - g.start
             q5 = q.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
-            o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap, sinks)
+            o = _attend(q5, kv_cache, g.get_tiles(), scale, logits_soft_cap, sinks, k_scale, v_scale)
             # [1, Hkv, G, Q, D] -> [Q, H, D]
             out[g.start : g.end] = o[0].permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
         return out
@@ -322,11 +343,13 @@ def _plan_tiles(
     return tiles
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store each token's K/V at its slot; slot -1 (padding) is skipped.
 
     key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D];
-    slot_mapping: [T] int64 (slot = block_id * block_size + offset).
+    slot_mapping: [T] int64 (slot = block_id * block_size + offset). An fp8
+    cache stores key / k_scale and value / v_scale (`kernels.kv_fp8.quantize_kv`).
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -338,8 +361,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     else:
         slot_mapping, key, value = _redirect_padding(slot_mapping, key, value)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    store_kv(key, flat[0], slot_mapping, k_scale)
+    store_kv(value, flat[1], slot_mapping, v_scale)
 
 
 def _redirect_padding(
@@ -366,8 +389,8 @@ def _tile_scores(q_flat, kv_cache, tile, scale, cap):
     would first copy K into [B, Hkv, T, D]).
     """
     bsz, num_kv_heads, rows, head_dim = q_flat.shape
-    k = kv_cache[0].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    k = gather_blocks(kv_cache[0], tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
+    v = gather_blocks(kv_cache[1], tile.block_ids).view(bsz, -1, num_kv_heads, head_dim)
     if k.dtype != q_flat.dtype:
         k, v = k.to(q_flat.dtype), v.to(q_flat.dtype)
     s = torch.stack([torch.bmm(q_flat[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1)
@@ -399,19 +422,24 @@ def _attend(
     scale: float,
     cap: float | None,
     sinks: torch.Tensor | None = None,  # [H] float, H = Hkv * G
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hkv, G, Q, D] in q's dtype
     """Attention of B query groups over their planned key tiles.
 
     One tile: plain softmax. Several: online softmax over tiles, so the
     largest score tensor is [B, Hkv, G, Q, tile keys]. With `sinks`, head h's
     denominator gains exp(sinks[h]) (relative to the running max, which the
-    sink joins), after the last tile.
+    sink joins), after the last tile. An fp8 cache's k_scale joins the score
+    scale and v_scale multiplies the float32 result (1.0 for other caches).
     """
     bsz, num_kv_heads, group, qlen, head_dim = q.shape
     q_flat = q.reshape(bsz, num_kv_heads, group * qlen, head_dim)
+    scale = scale * k_scale
     if len(tiles) == 1 and sinks is None:
         s, v = _tile_scores(q_flat, kv_cache, tiles[0], scale, cap)
-        return _pv(s.softmax(dim=-1), v).view(q.shape).to(q.dtype)
+        o = _pv(s.softmax(dim=-1), v)
+        return (o if v_scale == 1.0 else o * v_scale).view(q.shape).to(q.dtype)
     m = l = acc = None
     for tile in tiles:
         s, v = _tile_scores(q_flat, kv_cache, tile, scale, cap)
@@ -437,4 +465,5 @@ def _attend(
         corr = torch.exp(m - m_fin)
         l = l * corr + torch.exp(sink - m_fin)
         acc = acc * corr[..., None]
-    return (acc / l[..., None]).view(q.shape).to(q.dtype)
+    o = acc / l[..., None]
+    return (o if v_scale == 1.0 else o * v_scale).view(q.shape).to(q.dtype)

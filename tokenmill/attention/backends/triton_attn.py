@@ -55,6 +55,8 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] gpt-oss sink logits
+        k_scale: float = 1.0,  # fp8 KV cache: the layer's scales (stored k / k_scale, read q8 * k_scale)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the step's K/V into `kv_cache`, then attend (see the base class).
 
@@ -62,7 +64,7 @@ class TritonAttentionBackend:
         zero output rows and write nothing to the cache.
         """
         md = attn_metadata
-        kernels.reshape_and_cache(key, value, kv_cache, md.slot_mapping)
+        kernels.reshape_and_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
         return kernels.paged_attention(
             query,
             kv_cache,
@@ -77,4 +79,6 @@ class TritonAttentionBackend:
             logits_soft_cap=logits_soft_cap,
             sinks=sinks,
             num_stages=self.num_stages,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -46,7 +46,7 @@ from tokenmill.entrypoints.openai.errors import UnexpectedErrorMiddleware, error
 from tokenmill.entrypoints.openai.http_options import HTTPOptions, install_http_options
 from tokenmill.entrypoints.openai.limits import add_limit_cli_args, bounded_protocol
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.metrics import ServerMetrics, cache_config_info
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.readiness import readiness_route
@@ -171,7 +171,9 @@ def build_app(engine: Any, served_model_names: list[str], max_logprobs: int = 20
     responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, served_model_names, max_logprobs, max_n)
     tokenization.template_policy = policy
-    metrics = ServerMetrics(served_model_names[0], vllm_names=metrics_vllm_names)
+    engine_config = getattr(engine, "engine_config", None)  # test doubles may have none
+    metrics = ServerMetrics(served_model_names[0], vllm_names=metrics_vllm_names,
+                            cache_info=cache_config_info(engine_config.cache_config) if engine_config else None)
     if hasattr(engine, "stats_observer"):
         engine.stats_observer = metrics
     app.state.engine = engine

@@ -55,7 +55,8 @@ def vllm_names_from_env() -> bool:
 class _MetricSet:
     """One prefix's metrics ("tokenmill:" or "vllm:"), already bound to the model_name label."""
 
-    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str,
+                 cache_info: dict[str, str] | None = None) -> None:
         p, labels = prefix, ["model_name"]
 
         def gauge(name: str, doc: str) -> Any:
@@ -93,7 +94,18 @@ class _MetricSet:
                                       ["model_name", "status"], registry=registry)
         for status in HTTP_STATUSES:
             self.http_responses.labels(model_name, str(status))
+        if cache_info:  # vLLM's info-style gauge: the labels carry the values, the sample is 1
+            info = Gauge(p + "cache_config_info", "The engine's KV-cache settings (labels; value 1).",
+                         ["model_name", *cache_info], registry=registry)
+            info.labels(model_name, *cache_info.values()).set(1)
         self.model_name = model_name
+
+
+def cache_config_info(cache_config: Any) -> dict[str, str]:
+    """Labels of `cache_config_info` from a `CacheConfig`, with vLLM's names (block_size, cache_dtype, ...)."""
+    return {"block_size": str(cache_config.block_size), "cache_dtype": str(cache_config.cache_dtype),
+            "enable_prefix_caching": str(cache_config.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache_config.gpu_memory_utilization)}
 
 
 class ServerMetrics:
@@ -104,12 +116,15 @@ class ServerMetrics:
         vllm_names: also export every metric under `vllm:`.
         registry: a private `CollectorRegistry` (a new one if None), so two
             servers in one process never share series.
+        cache_info: labels of the `cache_config_info` gauge (`cache_config_info(cache_config)`: block size,
+            KV-cache dtype, ...); None = no such gauge.
     """
 
-    def __init__(self, model_name: str, vllm_names: bool = False, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False, registry: CollectorRegistry | None = None,
+                 cache_info: dict[str, str] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         prefixes = ["tokenmill:"] + (["vllm:"] if vllm_names else [])
-        self._sets = [_MetricSet(self.registry, p, model_name) for p in prefixes]
+        self._sets = [_MetricSet(self.registry, p, model_name, cache_info) for p in prefixes]
         self._last_stats: SchedulerStats | None = None
 
     def render(self) -> bytes:

@@ -10,6 +10,10 @@ the CPU has it), and writes the result straight into the attention output.
 1.56 ms per layer; benchmarks/cpu_kernels_bench.py, docs/benchmarks.md
 "CPU serving: fifth session".)
 
+An fp8 KV cache (float8_e4m3fn / float8_e5m2, `kernels/kv_fp8.py`) is read
+as its bytes and decoded exactly in the kernel, with the layer's k_scale /
+v_scale folded into the score scale and the output.
+
 Built by `tokenmill.kernels.cpu.build` at the first `load_kernel()` (the
 system C compiler, cached per machine); no compiler, a failed build, or
 `TOKENMILL_CPU_KERNELS=0` -> None, and the caller keeps the PyTorch path.
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.dtypes import is_fp8
 from tokenmill.kernels.cpu.build import load_library
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -34,7 +39,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     fn = lib.paged_decode_attention
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, f32,
-                   c_int, c_int]
+                   c_int, c_int, f32, c_int]
     fn.restype = c_int
 
 
@@ -43,12 +48,17 @@ def load_kernel() -> ctypes.CDLL | None:
     return load_library(_SOURCE, _configure)
 
 
+# KV_FMT of the C source: 0 = the cache is in the query's dtype, 1 = e4m3fn codes, 2 = e5m2 codes.
+_KV_FMT = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
 def kernel_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """True when the C kernel takes these tensors: CPU, float32 or bfloat16 like the cache, a contiguous cache,
-    each row's heads contiguous, and G = H / Hkv <= MAX_GROUP, head_dim <= MAX_HEAD_DIM."""
+    """True when the C kernel takes these tensors: CPU, float32 or bfloat16 query, the cache in the query's
+    dtype or fp8, a contiguous cache, each row's heads contiguous, and G = H / Hkv <= MAX_GROUP,
+    head_dim <= MAX_HEAD_DIM."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    return (query.device.type == "cpu" and query.dtype == kv_cache.dtype
+    return (query.device.type == "cpu" and (query.dtype == kv_cache.dtype or is_fp8(kv_cache.dtype))
             and query.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
             and query.stride(2) == 1 and query.stride(1) == head_dim
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
@@ -67,12 +77,15 @@ def paged_decode_attention(
     out: torch.Tensor,
     window: int | None = None,
     cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention of B rows over their cached keys, written into `out[q_rows]`.
 
     Args:
         query: [T, H, D] float32 or bfloat16, the step's queries (each row's heads contiguous).
-        kv_cache: [2, num_blocks, block_size, Hkv, D], query's dtype, contiguous.
+        kv_cache: [2, num_blocks, block_size, Hkv, D], query's dtype or fp8 (read as q8 * k_scale,
+            q8 * v_scale), contiguous.
         block_table: [num_reqs, max_blocks] int32 physical block ids (CPU).
         req_idx: [B] int64 block-table row of each decode row.
         q_rows: [B] int64 token row of each decode row in `query` and `out`.
@@ -81,6 +94,7 @@ def paged_decode_attention(
         out: [T, H, D] query's dtype, each row's heads contiguous; rows q_rows are overwritten.
         window: sliding window W (keys at positions > p - W, HF's mask); None = all keys.
         cap: Gemma-2 soft-capping of the scores, cap * tanh(s / cap); None = off.
+        k_scale, v_scale: an fp8 cache's scales (host floats); ignored for a float32 / bfloat16 cache.
 
     Raises:
         ValueError: tensors the kernel does not take (`kernel_supports`, `out`'s layout,
@@ -94,17 +108,21 @@ def paged_decode_attention(
         raise ValueError(f"req_idx, q_rows and seq_lens must be [B] alike, got {tuple(req_idx.shape)}, "
                          f"{tuple(q_rows.shape)}, {tuple(seq_lens.shape)}")
     if not kernel_supports(query, kv_cache) or out.device.type != "cpu" or block_table.device.type != "cpu":
-        raise ValueError("CPU decode kernel: query/cache/out must be CPU tensors of one float32/bfloat16 dtype, "
-                         "a contiguous cache, contiguous heads, and shapes within its limits (kernel_supports)")
+        raise ValueError("CPU decode kernel: query/out must be CPU tensors of one float32/bfloat16 dtype, the "
+                         "cache in that dtype or fp8 and contiguous, contiguous heads, and shapes within its limits "
+                         "(kernel_supports)")
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     if table.stride(1) != 1:
         table = table.contiguous()
     req_idx, q_rows, seq_lens = (t.to(torch.int64).contiguous() for t in (req_idx, q_rows, seq_lens))
+    kv_fmt = _KV_FMT.get(kv_cache.dtype, 0)
+    unit = 256.0 if kv_fmt == 1 else 1.0  # e4m3 codes decode to value / 256 (decode_attention.c)
     rc = lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
         out.stride(0), table.data_ptr(), table.stride(0), req_idx.data_ptr(), q_rows.data_ptr(),
-        seq_lens.data_ptr(), req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
-        cap or 0.0, int(query.dtype == torch.bfloat16), torch.get_num_threads())
+        seq_lens.data_ptr(), req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0,
+        scale * (k_scale * unit if kv_fmt else 1.0), cap or 0.0, int(query.dtype == torch.bfloat16), kv_fmt,
+        v_scale * unit if kv_fmt else 1.0, torch.get_num_threads())
     if rc == -2:
         raise ValueError("CPU decode kernel: could not allocate its score buffer.")
     if rc != 0:

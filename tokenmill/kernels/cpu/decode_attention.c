@@ -27,6 +27,13 @@
  * polynomial; exponents below -87 give 0, as in block_decode; NaN stays NaN.
  * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
+ * fp8 KV cache (kv_fmt 1 = e4m3fn, 2 = e5m2; q and out stay float32 / bfloat16):
+ * each cache byte is decoded exactly by bit operations into float16 and widened
+ * (e5m2 is float16's top byte; e4m3 becomes value / 256, `e4m3_to_f16_div256` of
+ * kernels/triton/fp8_quant.py), so the caller folds k_scale * unit into `scale`
+ * and v_scale * unit into `out_scale` (unit = 256 for e4m3, 1 for e5m2); keys
+ * then take the float32 FMA path (bfloat16 dot products are still rounded).
+ *
  * Threads: the (row, KV head) items are shared by an OpenMP loop; with GCC the
  * library links libgomp.so.1, which the dynamic loader resolves to the one
  * torch already loaded (pip's x86 torch ships that soname), so
@@ -50,7 +57,34 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, cap;
     int is_bf16;
+    int kv_fmt;      /* 0: the cache is in q's dtype; 1: e4m3fn bytes; 2: e5m2 bytes */
+    float out_scale; /* fp8: multiplies P @ V (v_scale * unit); 1 otherwise */
 } Args;
+
+/* float16 bits -> float32 (exact; subnormals, inf and NaN included). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        const float x = (float)m * 5.9604644775390625e-8f;
+        return sign ? -x : x;
+    }
+    v.u = sign | (e == 31 ? 0x7F800000u : (e + 112u) << 23) | (m << 13);
+    return v.f;
+}
+
+/* float16 bits of an fp8 code: e5m2 exactly, e4m3fn as value / 256 (NaN codes -> NaN). */
+static inline uint16_t fp8_to_f16_bits(uint8_t b, int kv_fmt) {
+    if (kv_fmt == 2) return (uint16_t)(b << 8);
+    uint16_t h = (uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+    return (b & 0x7F) == 0x7F ? (uint16_t)(h | 0x7E00) : h;
+}
+
+/* Element i of a KV cache row pointer: the q dtype (kv_fmt 0) or an fp8 code, as float32. */
+static inline float load_kv1(const void *p, int64_t i, int is_bf16, int kv_fmt) {
+    if (kv_fmt == 0) return load1(p, i, is_bf16);
+    return f16_to_f32(fp8_to_f16_bits(((const uint8_t *)p)[i], kv_fmt));
+}
 
 /* Per-thread score buffer, grown on demand (never freed: one per OpenMP thread). */
 static float *scratch(int64_t n) {
@@ -72,7 +106,7 @@ static inline void cache_row(const Args *a, const void *cache, const int32_t *ta
                              float *row) {
     const int64_t hd = a->head_dim, bs = a->block_size;
     const int64_t off = ((int64_t)table[pos / bs] * bs + pos % bs) * a->num_kv_heads * hd + h * hd;
-    for (int64_t d = 0; d < hd; d++) row[d] = load1(cache, off + d, a->is_bf16);
+    for (int64_t d = 0; d < hd; d++) row[d] = load_kv1(cache, off + d, a->is_bf16, a->kv_fmt);
 }
 
 static int item_generic(const Args *a, int64_t r, int64_t h) {
@@ -113,7 +147,7 @@ static int item_generic(const Args *a, int64_t r, int64_t h) {
             for (int64_t d = 0; d < hd; d++) acc[g * hd + d] += s[g * n + t] * row[d];
     }
     const int64_t ooff = a->q_rows[r] * a->out_row_stride + h * G * hd;
-    for (int64_t i = 0; i < G * hd; i++) store1(a->out, ooff + i, acc[i], a->is_bf16);
+    for (int64_t i = 0; i < G * hd; i++) store1(a->out, ooff + i, acc[i] * a->out_scale, a->is_bf16);
     return 0;
 }
 
@@ -122,6 +156,22 @@ static int item_generic(const Args *a, int64_t r, int64_t h) {
 
 /* 16 elements at p (bfloat16 or float32) as float32. */
 static inline __m512 load16_full(const void *p, const int is_bf16) { return load16(p, 0, is_bf16, 0xffff); }
+
+/* 16 KV elements at p (q's dtype, or fp8 codes decoded as in fp8_to_f16_bits) as float32. */
+static inline __m512 load16_kv(const void *p, const int is_bf16, const int kv_fmt) {
+    if (kv_fmt == 0) return load16_full(p, is_bf16);
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h;
+    if (kv_fmt == 2) {
+        h = _mm256_slli_epi16(b, 8);
+    } else {
+        const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+        h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F));
+        h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+    }
+    return _mm512_cvtph_ps(h);
+}
 
 /* e^x per lane for softmax exponents; x < -87 gives 0, NaN stays NaN. See the file comment. */
 static inline __m512 exp_softmax(__m512 x) {
@@ -148,6 +198,8 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
                                                                const int64_t HD, const int is_bf16) {
     const int64_t C = HD / 16; /* 16-lane chunks per head vector */
     const int64_t es = is_bf16 ? 2 : 4;
+    const int kv_fmt = a->kv_fmt;
+    const int64_t kes = kv_fmt ? 1 : es; /* bytes per cache element */
     const int64_t bs = a->block_size, ts = a->num_kv_heads * HD;
     const int64_t seq_len = a->seq_lens[r];
     const int64_t start = (a->window > 0 && seq_len > a->window) ? seq_len - a->window : 0;
@@ -164,11 +216,11 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
             const int64_t pos = start + t, b = pos / bs, off = pos % bs;
             int64_t c = bs - off < n - t ? bs - off : n - t;
             c = c < 16 ? c : 16;
-            const char *kp = (const char *)a->k_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * es;
+            const char *kp = (const char *)a->k_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * kes;
             for (int64_t g = 0; g < G; g++) {
                 __m512 v[16];
 #if defined(__AVX512BF16__)
-                if (is_bf16) {
+                if (is_bf16 && kv_fmt == 0) {
                     __m512i qv[MAX_HEAD_DIM / 32];
                     for (int64_t j = 0; j < HD / 32; j++)
                         qv[j] = _mm512_loadu_si512((const void *)(qh + (g * HD + 32 * j) * 2));
@@ -188,7 +240,8 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
                         v[i] = _mm512_setzero_ps();
                         if (i < c)
                             for (int64_t j = 0; j < C; j++)
-                                v[i] = _mm512_fmadd_ps(qv[j], load16_full(kp + (i * ts + 16 * j) * es, is_bf16), v[i]);
+                                v[i] = _mm512_fmadd_ps(qv[j], load16_kv(kp + (i * ts + 16 * j) * kes, is_bf16, kv_fmt),
+                                                       v[i]);
                     }
                 }
                 __m512 x = hsum16(v);
@@ -228,10 +281,10 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
         for (int64_t t = 0; t < n;) {
             const int64_t pos = start + t, b = pos / bs, off = pos % bs;
             const int64_t c = bs - off < n - t ? bs - off : n - t;
-            const char *vp = (const char *)a->v_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * es;
+            const char *vp = (const char *)a->v_cache + (((int64_t)table[b] * bs + off) * ts + h * HD) * kes;
             for (int64_t i = 0; i < c; i++, t++) {
                 __m512 vv[MAX_HEAD_DIM / 16];
-                for (int64_t j = 0; j < C; j++) vv[j] = load16_full(vp + (i * ts + 16 * j) * es, is_bf16);
+                for (int64_t j = 0; j < C; j++) vv[j] = load16_kv(vp + (i * ts + 16 * j) * kes, is_bf16, kv_fmt);
                 for (int64_t g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(s[g * ns + t]);
                     for (int64_t j = 0; j < C; j++) acc[g * C + j] = _mm512_fmadd_ps(p, vv[j], acc[g * C + j]);
@@ -239,8 +292,11 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
             }
         }
         char *op = (char *)a->out + (a->q_rows[r] * a->out_row_stride + h * G * HD) * es;
+        const __m512 osc = _mm512_set1_ps(a->out_scale);
         for (int64_t g = 0; g < G; g++)
-            for (int64_t j = 0; j < C; j++) store16(op, g * HD + 16 * j, acc[g * C + j], is_bf16, 0xffff);
+            for (int64_t j = 0; j < C; j++)
+                store16(op, g * HD + 16 * j, kv_fmt ? _mm512_mul_ps(acc[g * C + j], osc) : acc[g * C + j], is_bf16,
+                        0xffff);
     }
     return 0;
 }
@@ -275,21 +331,24 @@ static int item(const Args *a, int64_t r, int64_t h) {
 
 /* Entry point. q [T, H, D] (row stride q_row_stride elements, heads contiguous), caches [num_blocks, bs,
  * Hkv, D] contiguous, out [T, H, D] like q (row stride out_row_stride), block_table [num_reqs, *] int32
- * (row stride bt_row_stride), req_idx / q_rows / seq_lens [num_rows] int64. q, caches and out are all
- * bfloat16 (is_bf16 = 1) or all float32. Writes out[q_rows[i]] for every row i.
+ * (row stride bt_row_stride), req_idx / q_rows / seq_lens [num_rows] int64. q and out are both
+ * bfloat16 (is_bf16 = 1) or both float32; the caches are in that dtype (kv_fmt 0) or hold fp8 codes
+ * (kv_fmt 1 e4m3fn, 2 e5m2; see the file comment for scale and out_scale). Writes out[q_rows[i]] for
+ * every row i.
  * Returns 0; -1 when G > MAX_GROUP or head_dim > MAX_HEAD_DIM; -2 when the score buffer could not be
  * allocated. */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            void *out, int64_t out_row_stride, const int32_t *block_table, int64_t bt_row_stride,
                            const int64_t *req_idx, const int64_t *q_rows, const int64_t *seq_lens,
                            int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t window, float scale, float cap, int is_bf16, int num_threads) {
+                           int64_t block_size, int64_t window, float scale, float cap, int is_bf16, int kv_fmt,
+                           float out_scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim > MAX_HEAD_DIM)
         return -1;
     const Args a = {q, k_cache, v_cache, out, block_table, req_idx, q_rows, seq_lens, q_row_stride,
                     out_row_stride, bt_row_stride, num_heads, num_kv_heads, head_dim, block_size, window,
-                    scale, cap, is_bf16};
+                    scale, cap, is_bf16, kv_fmt, out_scale};
     int rc = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(min : rc)
     for (int64_t i = 0; i < num_rows * num_kv_heads; i++) {

@@ -44,6 +44,15 @@ Without splits the kernel adds it after the KV loop, rescaling to
 max(m, sink) first; with splits each split leaves its plain partial result
 and `merge_splits` adds the sink once, as one more split with o = 0.
 
+fp8 KV cache (`--kv-cache-dtype fp8*`): the kernel loads the cache's uint8
+bits and decodes each K/V tile exactly into the query's dtype
+(`triton/kv_fp8.decode_kv`, integer bit operations, so cc 7.0 and the
+interpreter run it too). The layer's scales are folded in on the host:
+the score scale becomes scale * k_scale * unit and the output is multiplied
+by v_scale * unit before the division by l (unit = 256 for e4m3's decode,
+1 for e5m2), so dots run on the fp8 values themselves and the result equals
+attention over the dequantized cache up to float rounding.
+
 Small decode batches split each KV range over grid axis 2 (flash-decoding);
 each split writes a partial result and its log-sum-exp, and
 `merge_splits` combines them. Tile sizes and the split count are chosen
@@ -57,6 +66,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
+from tokenmill.kernels.triton.kv_fp8 import decode_kv, kv_cache_arg, kv_fp8_code, kv_unit
 from tokenmill.kernels.triton.merge_splits import merge_splits
 
 
@@ -65,12 +75,13 @@ def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; SPLIT_KV: fp32 [num_splits, num_tokens, num_heads, head_dim]
     lse_ptr,  # SPLIT_KV only: fp32 [num_splits, num_tokens, num_heads], log2-sum-exp2 of each split
     q_ptr,  # [num_tokens, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]; KV_FP8: its uint8 bits
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     sinks_ptr,  # [num_heads] fp32 per-head sink logits, read when USE_SINKS (and not SPLIT_KV)
-    scale,  # fp32 softmax scale
+    scale,  # fp32 softmax scale (KV_FP8: times k_scale * unit, see the module docstring)
+    v_scale,  # fp32, KV_FP8 only: v_scale * unit, multiplies the output
     softcap,  # fp32, used when USE_SOFTCAP
     sliding_window,  # i32, used when USE_WINDOW
     num_reqs,
@@ -101,6 +112,7 @@ def paged_attention_kernel(
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     NUM_SPLITS: tl.constexpr,  # KV range split over grid axis 2 (flash-decoding); 1 = off
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
+    KV_FP8: tl.constexpr,  # 0: cache in the query's dtype; 1 / 2: e4m3fn / e5m2 bits (triton/kv_fp8.py)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,8 +187,11 @@ def paged_attention_kernel(
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_off = block_id * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + head_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(kv_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        if KV_FP8:  # exact: every fp8 value is a float16 / bfloat16 / float32 number
+            k = decode_kv(k, KV_FP8).to(q.dtype)
+            v = decode_kv(v, KV_FP8).to(q.dtype)
         # k, v: [BLOCK_N, HEAD_DIM_PAD], rows contiguous in memory
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
@@ -217,6 +232,8 @@ def paged_attention_kernel(
         corr = tl.exp2(m_i - m_fin)
         l_i = l_i * corr + tl.exp2(sink - m_fin)
         acc = acc * corr[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     # Rows with no visible key (padding rows, empty splits) have l == 0 -> output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row_off = split * stride_o_split + tok_global * stride_o_tok + head * stride_o_head
@@ -247,6 +264,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -255,7 +274,8 @@ def paged_attention(
             contiguous. Tokens past `query_start_loc[num_reqs]` are padding
             (their output rows are set to 0).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], same
-            dtype as `query`, already holding this step's new keys/values.
+            dtype as `query` or float8_e4m3fn / float8_e5m2 (read as q8 * k_scale,
+            q8 * v_scale), already holding this step's new keys/values.
         block_table: [>= num_reqs, max_blocks_per_req] int32 block ids.
         seq_lens: [>= num_reqs] int32, context + new tokens per request.
         query_start_loc: [num_reqs + 1] int32 prefix sum of new-token counts.
@@ -273,6 +293,7 @@ def paged_attention(
             correct for any data, so a CUDA graph may keep the captured one.
         sinks: [num_heads] per-head sink logits (any float dtype; gpt-oss):
             each softmax denominator gains exp(sinks[h]); None = off.
+        k_scale, v_scale: the layer's fp8 KV scales (host floats); ignored by a 16/32-bit cache.
 
     Returns:
         out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
@@ -313,17 +334,19 @@ def paged_attention(
         dst, lse = out, out  # lse_ptr unused when SPLIT_KV is off
         dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
         lse_split_stride, lse_tok_stride = 0, 0
+    fp8 = kv_fp8_code(kv_cache.dtype)
     grid = (num_tokens // cfg.block_q + num_reqs + 1, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         dst,
         lse,
         query,
-        kv_cache,
+        kv_cache_arg(kv_cache),
         block_table,
         seq_lens,
         query_start_loc,
         sinks if sinks is not None else query,
-        float(scale),
+        float(scale) * (float(k_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0),
+        float(v_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0,
         float(logits_soft_cap or 0.0),
         int(sliding_window or 0),
         num_reqs,
@@ -354,6 +377,7 @@ def paged_attention(
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
         SPLIT_KV=split_kv,
+        KV_FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

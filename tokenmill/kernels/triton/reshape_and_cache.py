@@ -10,6 +10,10 @@ One program per token copies that token's [num_kv_heads, head_dim] key and
 value tiles. Padding tokens carry slot -1 and are skipped (their stores are
 masked off), so a CUDA graph captured at a padded batch size never writes
 garbage into a real block.
+
+An fp8 cache (float8_e4m3fn / float8_e5m2) is written as its uint8 bits:
+each key is divided by the layer's k_scale and rounded to fp8 (values by
+v_scale), the rule of `kernels/kv_fp8.py`, by `triton/kv_fp8.encode_kv`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.kv_fp8 import encode_kv, kv_cache_arg, kv_fp8_code
+
 
 @triton.jit
 def reshape_and_cache_kernel(
@@ -25,6 +31,8 @@ def reshape_and_cache_kernel(
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
+    k_scale,  # fp32, used when KV_FP8
+    v_scale,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -38,6 +46,7 @@ def reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two >= num_kv_heads
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= head_dim
+    KV_FP8: tl.constexpr,  # 0: cache in a float dtype; 1 / 2: uint8 bits of e4m3fn / e5m2 (triton/kv_fp8.py)
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -53,12 +62,15 @@ def reshape_and_cache_kernel(
     k = tl.load(key_ptr + tok * stride_k_tok + h * stride_k_head + d, mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + h * stride_v_head + d, mask=mask)
     dst = block_id * stride_c_block + block_off * stride_c_slot + h * stride_c_head + d
+    k = encode_kv(k, k_scale, KV_FP8)
+    v = encode_kv(v, v_scale, KV_FP8)
     tl.store(kv_cache_ptr + dst, k.to(kv_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(kv_cache_ptr + stride_c_kv + dst, v.to(kv_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write `key`/`value` into `kv_cache` at `slot_mapping` (in place).
 
@@ -66,9 +78,12 @@ def reshape_and_cache(
         key: [num_tokens, num_kv_heads, head_dim], last dim contiguous.
         value: same shape as `key`, last dim contiguous.
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], last dim
-            contiguous; same dtype as key/value (or one they cast to).
+            contiguous; same dtype as key/value (or one they cast to), or
+            float8_e4m3fn / float8_e5m2 (stored as key / k_scale, value / v_scale,
+            rounded to nearest even and saturating: `kernels/kv_fp8.quantize_kv`).
         slot_mapping: [num_tokens] int64 (or int32); -1 marks a padding token
             whose key/value are not written.
+        k_scale, v_scale: the layer's fp8 KV scales (host floats); ignored by a 16/32-bit cache.
 
     No host sync; the launch grid depends only on `num_tokens`. CPU tensors
     run under the Triton interpreter (TRITON_INTERPRET=1 must be set before
@@ -85,8 +100,10 @@ def reshape_and_cache(
     reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
-        kv_cache,
+        kv_cache_arg(kv_cache),
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -100,5 +117,6 @@ def reshape_and_cache(
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        KV_FP8=kv_fp8_code(kv_cache.dtype),
         num_warps=4,
     )
