@@ -10,7 +10,8 @@
 # 3. runs it: waits for /health and the HEALTHCHECK's "healthy", /ready, a chat answer from the
 #    bundled model through the `openai` client over the mapped port, the non-root user, then
 #    `docker stop` (SIGTERM) and a clean exit (code 0); then the same image with the entrypoint
-#    replaced by `python3 -m tokenmill.entrypoints.openai.api_server` (vLLM's): health, a chat
+#    replaced by `python3 -m tokenmill.entrypoints.openai.api_server` (vLLM's) and no --host (the
+#    image's TOKENMILL_HOST=0.0.0.0 must make it reachable over the mapped port): health, a chat
 #    answer through the `openai` client, SIGTERM, exit code 0
 # 4. compose: `docker-compose config` of both files, then the tokenmill and Prometheus services
 #    (Prometheus from a Debian-package image: prom/prometheus cannot be pulled), a scrape seen
@@ -147,16 +148,20 @@ echo "process user: $user (uid $uid)"
 stop_cleanly tm-image-test
 
 step "3b. the CPU image with vLLM's entry point: --entrypoint python3 ... -m tokenmill.entrypoints.openai.api_server"
-# Replacing the entrypoint also drops its --host 0.0.0.0, so it is given here; the key goes as vLLM's --api-key.
+# No --host: the image's ENV TOKENMILL_HOST=0.0.0.0 is --host's default, so the server must be reachable
+# over the mapped port without it (a server on 127.0.0.1 inside the container would not be). The key goes
+# as vLLM's --api-key.
 docker rm -f tm-image-test-api >/dev/null 2>&1 || true
 CONTAINERS+=(tm-image-test-api)
 docker run -d --name tm-image-test-api -p "127.0.0.1:$PORT:8000" -v tm-image-test-data:/data \
     --entrypoint python3 "$CPU_IMAGE" -m tokenmill.entrypoints.openai.api_server \
-    --host 0.0.0.0 --port 8000 --api-key "$API_KEY" --max-model-len 512 --kv-cache-memory-bytes 256M \
+    --port 8000 --api-key "$API_KEY" --max-model-len 512 --kv-cache-memory-bytes 256M \
     --shutdown-timeout 10 >/dev/null
 docker inspect -f 'entrypoint {{json .Config.Entrypoint}}, cmd {{json .Config.Cmd}}' tm-image-test-api | cut -c1-200
+docker inspect -f '{{json .Config.Cmd}}' tm-image-test-api | grep -q -- '"--host"' && fail "api_server run was given --host"
 wait_for 600 "api_server: GET /health = 200" curl -fsS "http://127.0.0.1:$PORT/health"
 echo "api_server: process 1 is $(docker exec tm-image-test-api sh -c 'tr "\0" " " </proc/1/cmdline' | cut -c1-120)"
+echo "api_server: no --host given; in the container TOKENMILL_HOST=$(docker exec tm-image-test-api printenv TOKENMILL_HOST); $(docker logs tm-image-test-api 2>&1 | grep -o 'Uvicorn running on [^ ]*' | head -1)"
 chat "$PORT" "$API_KEY"
 stop_cleanly tm-image-test-api
 docker volume rm tm-image-test-data >/dev/null
