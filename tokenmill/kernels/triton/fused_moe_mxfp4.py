@@ -1,0 +1,269 @@
+"""Fused MoE with MXFP4 expert weights on CUDA: grouped GEMMs that decode each expert tile in the K loop.
+
+Same scheme as `fused_moe.py` and `fused_moe_quant.py` (`moe_align_block_size`
+sorts the (token, expert) pairs by expert into BLOCK_M-row tiles of one
+expert each; launch 1 computes [gate | up] = x @ w13[e]^T + b13[e] per pair,
+then `moe_activation.act_and_mul` (gpt-oss's clamped SwiGLU); launch 2 the
+routing-weighted rows of inter @ w2[e]^T + b2[e], summed over the top-k
+slots in float32). The B operand is gpt-oss's packed layout
+(`kernels/mxfp4.py`): each program reads only its tile's expert's
+`*_blocks` bytes (two E2M1 codes per byte, low nibble first) and `*_scales`
+(one E8M0 byte per 32 values), 4.25 bits per weight, decodes a
+[BLOCK_N, BLOCK_K] tile in registers to the activation dtype and feeds it to
+`tl.dot`. No expert is ever materialized in 16 bits; experts no token routes
+to are never read. The expert biases are added to the float32 accumulator.
+
+Decode without float arithmetic (`_decode_tile`): the E2M1 value times the
+block's 2^(s - 127) is built directly as the bits of a bfloat16 (or float32)
+number, whose 8-bit exponent field has E8M0's bias. Code c = sign e1 e0 m,
+mag = c & 7, F = 7 (bfloat16) or 23 (float32) mantissa bits:
+
+    mag >= 2, value (1 + m/2) 2^(e-1) 2^(s-127):  (mag << (F - 1)) + ((s - 1) << F)
+    mag == 1, value 0.5 * 2^(s-127):              (s - 1) << F
+    mag == 0:                                     0
+    then the sign bit (bfloat16: (c & 8) << 12; float32: a negation)
+
+((mag << (F - 1)) puts e on the exponent field's two low bits and m on the
+mantissa's top bit; adding (s - 1) << F adds s - 1 to that exponent, giving
+the biased exponent e - 1 + s.) Integer shifts, adds and selects only, no
+int-to-float conversion; exact for scale bytes 2-252 (the results stay
+normal and finite; checkpoints use bytes near 127). float16 activations take
+the float32 decode rounded once to float16, as `kernels/mxfp4.py`'s decode
+followed by `.to(float16)`.
+
+cc < 8.0 (Volta, float16): the same grouped kernel for every M, one stage.
+Triton lowers `tl.dot` to FMAs there (no tensor cores, shared/PLATFORMS.md)
+for this kernel and for the 16-bit grouped GEMM alike, so decoding all
+experts first (the path this replaced) would only add a dense write and read
+of every expert per layer. Dequantize-then-cuBLAS (tensor cores on V100)
+would need either the routed experts on the host (a device-to-host sync,
+not CUDA-graph safe) or dense GEMMs over all E experts for every token
+(E / top_k = 8x the FLOPs on gpt-oss-20b, 32x on -120b). Small M (decode) is
+bound by reading the packed bytes, which this kernel does at 4.25 bits per
+weight. Accumulation is float32 on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.moe_activation import act_and_mul
+from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
+from tokenmill.kernels.triton.fused_moe_quant import GroupedQuantConfig
+from tokenmill.kernels.triton.splitk import device_facts
+
+_GROUP = 32  # values per E8M0 scale
+_GROUP_BYTES = _GROUP // 2
+
+
+def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialized output buffers (tests replace it to check that every element gets written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _decode_tile(byte, s, OUT_BF16: tl.constexpr):
+    """E2M1 pairs times 2^(s - 127) (module docstring): byte int32 [BN, G, 16] (two codes each, low nibble
+    first), s int32 [BN, G, 1] E8M0 bytes -> [BN, G * 32] bfloat16 (OUT_BF16) or float32, K order."""
+    if OUT_BF16:
+        sbits = (s - 1) << 7
+        lo, hi = byte & 0x0F, byte >> 4
+        lo_m, hi_m = lo & 7, hi & 7
+        lo_b = tl.where(lo_m >= 2, (lo_m << 6) + sbits, tl.where(lo_m == 1, sbits, 0)) | ((lo & 8) << 12)
+        hi_b = tl.where(hi_m >= 2, (hi_m << 6) + sbits, tl.where(hi_m == 1, sbits, 0)) | ((hi & 8) << 12)
+        lo_v = lo_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi_v = hi_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        sbits = (s - 1) << 23
+        lo, hi = byte & 0x0F, byte >> 4
+        lo_m, hi_m = lo & 7, hi & 7
+        lo_b = tl.where(lo_m >= 2, (lo_m << 22) + sbits, tl.where(lo_m == 1, sbits, 0))
+        hi_b = tl.where(hi_m >= 2, (hi_m << 22) + sbits, tl.where(hi_m == 1, sbits, 0))
+        lo_v = lo_b.to(tl.float32, bitcast=True)
+        hi_v = hi_b.to(tl.float32, bitcast=True)
+        lo_v = tl.where(lo >= 8, -lo_v, lo_v)
+        hi_v = tl.where(hi >= 8, -hi_v, hi_v)
+    # [BN, G, 16] x 2 -> [BN, G, 16, 2] -> [BN, G * 32]: element 2j is byte j's low nibble.
+    w = tl.join(lo_v, hi_v)
+    return tl.reshape(w, (w.shape[0], w.shape[1] * w.shape[2] * 2))
+
+
+@triton.jit
+def grouped_mxfp4_gemm_kernel(
+    a_ptr,  # [num_a_rows, K]
+    wb_ptr,  # uint8 [E, N, K / 2]: `*_blocks` [E, N, K / 32, 16] with contiguous last two dims
+    ws_ptr,  # uint8 [E, N, K / 32]: `*_scales`
+    bias_ptr,  # [E, N] (read when HAS_BIAS)
+    c_ptr,  # [num_pairs, N]
+    topk_weights_ptr,  # [num_pairs] float32 (read when MUL_ROUTED_WEIGHT)
+    sorted_pair_ids_ptr,  # [max_tiles * BLOCK_M] int32; num_pairs = padding
+    tile_expert_ids_ptr,  # [max_tiles] int32
+    num_pairs_post_padded_ptr,  # [1] int32
+    N, K, num_pairs,
+    stride_am, stride_ak, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm, stride_cn,
+    TOP_K_DIV: tl.constexpr,  # A row of pair p is p // TOP_K_DIV (top_k for w13, 1 for w2)
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DECODE_BF16: tl.constexpr,  # decode to bfloat16 bits (bfloat16 activations), else to float32
+    IEEE_FP32: tl.constexpr,
+    CLAMP_FP16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+):
+    """One [BLOCK_M, BLOCK_N] output tile of one expert: rows are the tile's (token, expert) pairs (sorted by
+    `fused_moe.moe_align_block_size`), C[pair] = (A[pair // TOP_K_DIV] @ W[expert]^T + bias[expert]) (times
+    the pair's routing weight when MUL_ROUTED_WEIGHT), W decoded from MXFP4 tile by tile inside the K loop,
+    float32 accumulation. Grid (tiles, cdiv(N, BLOCK_N)); tiles past the padded total return.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # Tiles past the padded total exist only because the grid is sized statically.
+    if pid_m * BLOCK_M >= tl.load(num_pairs_post_padded_ptr):
+        return
+    pair_ids, pair_mask, expert, a_rows = tile_pairs(sorted_pair_ids_ptr, tile_expert_ids_ptr, pid_m, num_pairs,
+                                                     TOP_K_DIV, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_g = tl.arange(0, G)
+    offs_j = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    # [BN, G, 16] byte pointers and [BN, G, 1] scale pointers of the K tile at group g0.
+    w_ptrs = (wb_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn
+              + offs_g[None, :, None] * 16 + offs_j[None, None, :])
+    s_ptrs = ws_ptr + expert * stride_se + offs_n[:, None, None] * stride_sn + offs_g[None, :, None]
+    # Transposed: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @ a_tile^T (the decoded tile is the
+    # dot's A operand, straight from registers; the quantized kernels do the same).
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        g0 = kt * G
+        g_mask = n_mask[:, None, None] & ((g0 + offs_g) * 32 < K)[None, :, None]
+        byte = tl.load(w_ptrs + g0 * 16, mask=g_mask, other=0).to(tl.int32)
+        s = tl.load(s_ptrs + g0, mask=g_mask, other=127).to(tl.int32)
+        w = _decode_tile(byte, s, DECODE_BF16)  # [BLOCK_N, BLOCK_K]
+        kk = g0 * 32 + offs_k
+        a_t = tl.load(a_ptr + a_rows[None, :] * stride_am + kk[:, None] * stride_ak,
+                      mask=(kk < K)[:, None] & pair_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        if IEEE_FP32:
+            acc += tl.dot(w, a_t, input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(a_t.dtype), a_t)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += b[:, None]
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + pair_ids, mask=pair_mask, other=0.0)
+        acc = acc * rw[None, :]
+    if CLAMP_FP16:
+        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+    c_ptrs = c_ptr + pair_ids[None, :] * stride_cm + offs_n[:, None] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & pair_mask[None, :])
+
+
+def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                        c: torch.Tensor, topk_weights: torch.Tensor | None,
+                        aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k_div: int, block_m: int,
+                        cc70: bool, cfg: GroupedQuantConfig) -> None:
+    sorted_pair_ids, tile_expert_ids, num_post = aligned
+    num_pairs, n = c.shape
+    k = scales.shape[2] * _GROUP
+    # cc 9.0: BLOCK_N 32 for a few pairs (decode) so that enough programs stream the packed bytes, else 64;
+    # BLOCK_K 64 (32 bytes per row and tile, two scale groups). cc 7.0 (FMA dots, float32 decode): 32 x 32
+    # tiles, the largest that compile without register spills at BLOCK_M 16 and 32 (sm_70 ptxas -v).
+    block_n = cfg.block_n or (32 if cc70 or num_pairs <= 64 else 64)
+    block_k = cfg.block_k or (32 if cc70 else 64)
+    num_stages = cfg.num_stages or (1 if cc70 else 3)
+    grid = (tile_expert_ids.numel(), triton.cdiv(n, block_n))
+    grouped_mxfp4_gemm_kernel[grid](
+        a, blocks, scales, bias if bias is not None else c, c, topk_weights if topk_weights is not None else c,
+        sorted_pair_ids, tile_expert_ids, num_post,
+        n, k, num_pairs,
+        a.stride(0), a.stride(1), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
+        bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1),
+        TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None,
+        DECODE_BF16=a.dtype == torch.bfloat16, IEEE_FP32=a.dtype == torch.float32,
+        CLAMP_FP16=c.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=num_stages,
+    )
+
+
+def _check_packed(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4
+            or blocks.shape[-1] != _GROUP_BYTES or blocks.shape[:3] != scales.shape):
+        raise ValueError(f"MXFP4 {name} must be blocks [E, N, K / 32, 16] and scales [E, N, K / 32] uint8, got "
+                         f"blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype}.")
+    if blocks.stride(3) != 1 or blocks.stride(2) != _GROUP_BYTES or scales.stride(2) != 1:
+        raise ValueError(f"MXFP4 {name} blocks and scales must be contiguous along K (call .contiguous()).")
+
+
+def fused_experts_mxfp4_triton(
+    hidden_states: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "swigluoai",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    block_m: int | None = None,
+    config: GroupedQuantConfig | None = None,
+) -> torch.Tensor:
+    """`fused_experts_reference` with MXFP4 expert weights decoded inside the grouped GEMMs.
+
+    Args:
+        hidden_states: [T, H] bfloat16 / float16 / float32.
+        w13_blocks: [E, 2I, H / 32, 16] uint8, w13_scales: [E, 2I, H / 32] uint8 (`[gate; up]` rows,
+            `kernels/mxfp4.py` layout); w2_blocks: [E, H, I / 32, 16], w2_scales: [E, H, I / 32].
+        topk_weights: [T, k] routing weights; topk_ids: [T, k] expert ids in [0, E).
+        activation: `moe_activation.act_and_mul`'s name ("swigluoai" for gpt-oss).
+        w13_bias: [E, 2I] or None; w2_bias: [E, H] or None (added once per pair, before the routing weight).
+        block_m: rows per tile (16 or more, a power of two); default 16 up to 1024 pairs (decode), 32 up to
+            4096, 64 beyond (32 on cc 7.0).
+        config: launch settings (`fused_moe_quant.GroupedQuantConfig`; block_k a multiple of 32; one_dot
+            is not used); None: the defaults.
+
+    Returns:
+        [T, H] in hidden_states' dtype: sum_j topk_weights[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]),
+        e = topk_ids[t, j], W = `mxfp4.dequantize_mxfp4(blocks, scales)` in hidden_states' dtype.
+
+    Raises:
+        ValueError: the packed tensors' shapes disagree with each other or with H, or are not contiguous along K.
+    """
+    _check_packed(w13_blocks, w13_scales, "w13")
+    _check_packed(w2_blocks, w2_scales, "w2")
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, two_inter = w13_blocks.shape[:2]
+    if (w13_scales.shape[2] * _GROUP != hidden_size or w2_blocks.shape[:2] != (num_experts, hidden_size)
+            or 2 * w2_scales.shape[2] * _GROUP != two_inter):
+        raise ValueError(f"MXFP4 experts w13 [E={num_experts}, {two_inter}, {w13_scales.shape[2] * _GROUP}] and w2 "
+                         f"[{w2_blocks.shape[0]}, {w2_blocks.shape[1]}, {w2_scales.shape[2] * _GROUP}] do not fit "
+                         f"hidden size {hidden_size} (w13 must be [E, 2I, H], w2 [E, H, I]).")
+    cfg = config or GroupedQuantConfig()
+    if cfg.block_k % _GROUP:
+        raise ValueError(f"block_k ({cfg.block_k}) must be a multiple of {_GROUP} for MXFP4.")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if cfg.block_m:
+        block_m = cfg.block_m
+    cap, _ = device_facts(hidden_states.device)
+    cc70 = tuple(cap) < (8, 0)
+    if block_m is None:
+        block_m = 16 if num_pairs <= 1024 else 32 if num_pairs <= 4096 or cc70 else 64
+    aligned = moe_align_block_size(topk_ids, block_m, num_experts)
+    gate_up = _new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
+    _grouped_mxfp4_gemm(hidden_states, w13_blocks, w13_scales, w13_bias, gate_up, None, aligned, top_k, block_m,
+                        cc70, cfg)
+    inter = act_and_mul(gate_up, activation)
+    down = _new_output((num_pairs, hidden_size), torch.float32, hidden_states.device)
+    _grouped_mxfp4_gemm(inter, w2_blocks, w2_scales, w2_bias, down, topk_weights.reshape(-1).float().contiguous(),
+                        aligned, 1, block_m, cc70, cfg)
+    out = down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    if hidden_states.dtype == torch.float16:
+        out = out.clamp_(-65504.0, 65504.0)
+    return out.to(hidden_states.dtype)
