@@ -30,26 +30,30 @@ def nan_outputs(monkeypatch):
 
 
 @triton.jit
-def _decode_kernel(b_ptr, s_ptr, o_ptr, BF16: tl.constexpr):
+def _decode_kernel(b_ptr, s_ptr, lo_ptr, hi_ptr, DECODE: tl.constexpr):
     n = tl.arange(0, 16)
-    g = tl.arange(0, 2)
-    j = tl.arange(0, 16)
-    byte = tl.load(b_ptr + n[:, None, None] * 32 + g[None, :, None] * 16 + j[None, None, :]).to(tl.int32)
-    s = tl.load(s_ptr + n[:, None, None] * 2 + g[None, :, None]).to(tl.int32)
-    k = tl.arange(0, 64)
-    tl.store(o_ptr + n[:, None] * 64 + k[None, :], mx._decode_tile(byte, s, BF16).to(o_ptr.dtype.element_ty))
+    j = tl.arange(0, 32)
+    byte = tl.load(b_ptr + n[:, None] * 32 + j[None, :])
+    s = tl.load(s_ptr + n[:, None] * 2 + j[None, :] // 16)
+    lo, hi = mx._decode_pairs(byte, s, DECODE)
+    tl.store(lo_ptr + n[:, None] * 32 + j[None, :], lo.to(lo_ptr.dtype.element_ty))
+    tl.store(hi_ptr + n[:, None] * 32 + j[None, :], hi.to(hi_ptr.dtype.element_ty))
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_decode_is_exact_for_every_byte_and_scale(bf16):
-    """The bit-built decode equals kernels/mxfp4.py's table decode for all 256 bytes and scale bytes 2-252."""
+@pytest.mark.parametrize("mode", [mx.DECODE_BF16_BITS, mx.DECODE_FP32_BITS, mx.DECODE_PTX])
+def test_decode_is_exact_for_every_byte_and_scale(mode):
+    """Each decode (bit-built bfloat16 / float32, the bf16x2 PTX on a GPU) equals kernels/mxfp4.py's table
+    decode for all 256 bytes and scale bytes 2-252."""
+    if mode == mx.DECODE_PTX and not CUDA:
+        pytest.skip("inline PTX runs on a GPU only (not in the interpreter)")
     blocks = torch.arange(512).remainder(256).to(torch.uint8).view(16, 2, 16)
     scales = torch.linspace(2, 252, 32).round().to(torch.uint8).view(16, 2)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    out = torch.full((16, 64), float("nan"), dtype=dtype, device=DEV)
-    _decode_kernel[(1,)](blocks.to(DEV), scales.to(DEV), out, BF16=bf16)
+    dtype = torch.float32 if mode == mx.DECODE_FP32_BITS else torch.bfloat16
+    lo, hi = (torch.full((16, 32), float("nan"), dtype=dtype, device=DEV) for _ in range(2))
+    _decode_kernel[(1,)](blocks.to(DEV), scales.to(DEV), lo, hi, DECODE=mode)
     ref = dequantize_mxfp4(blocks, scales, torch.float32).view(16, 64)
-    torch.testing.assert_close(out.cpu().float(), ref, rtol=0, atol=0)
+    torch.testing.assert_close(lo.cpu().float(), ref[:, 0::2], rtol=0, atol=0)
+    torch.testing.assert_close(hi.cpu().float(), ref[:, 1::2], rtol=0, atol=0)
 
 
 def _experts(num_experts, hidden, inter, dtype, bias, seed=0, device=DEV):
@@ -81,7 +85,7 @@ def _reference(x, packed, biases, weights, ids, activation):
     (40, 64, 32, 4, 2, 16, torch.float16, False, "silu"),  # several tiles per expert, no biases
     (9, 96, 64, 3, 1, 32, torch.float16, True, "swigluoai"),  # top-1
 ])
-def test_matches_reference_on_decoded_experts(nan_outputs, num_tokens, hidden, inter, num_experts, top_k, block_m,
+def test_matches_reference_on_decoded_experts(nan_outputs, monkeypatch, num_tokens, hidden, inter, num_experts, top_k, block_m,
                                               dtype, bias, activation):
     packed, biases = _experts(num_experts, hidden, inter, dtype, bias)
     g = torch.Generator().manual_seed(1)

@@ -63,12 +63,64 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# PTX of DECODE_PTX (bfloat16 on cc >= 8.0): 4 bytes ($4) and their 4 bfloat16 scales ($5, $6) -> the low
+# nibbles' values ($0, $1) and the high nibbles' ($2, $3), two bfloat16 per register. prmt spreads two bytes
+# into the two 16-bit lanes; shifts and masks put the code's 3 magnitude bits on bfloat16 bits 6-8 (exponent
+# e on the exponent field's low bits, m on the mantissa's top bit) and its sign on bit 15: a bfloat16 equal to
+# the E2M1 value times 2^-126 (subnormal for e == 0); times 2^126 (0x7E80) and times the scale, both exact.
+_E2M1X2_PTX = tl.constexpr("""
+{
+.reg .b32 x, y, z, k, nz;
+mov.b32 k, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 x, $4, 0, 0x4140;
+shl.b32 y, x, 6;
+and.b32 y, y, 0x01C001C0;
+shl.b32 z, x, 12;
+and.b32 z, z, 0x80008000;
+or.b32 y, y, z;
+fma.rn.bf16x2 y, y, k, nz;
+fma.rn.bf16x2 $0, y, $5, nz;
+shl.b32 y, x, 2;
+and.b32 y, y, 0x01C001C0;
+shl.b32 z, x, 8;
+and.b32 z, z, 0x80008000;
+or.b32 y, y, z;
+fma.rn.bf16x2 y, y, k, nz;
+fma.rn.bf16x2 $2, y, $5, nz;
+prmt.b32 x, $4, 0, 0x4342;
+shl.b32 y, x, 6;
+and.b32 y, y, 0x01C001C0;
+shl.b32 z, x, 12;
+and.b32 z, z, 0x80008000;
+or.b32 y, y, z;
+fma.rn.bf16x2 y, y, k, nz;
+fma.rn.bf16x2 $1, y, $6, nz;
+shl.b32 y, x, 2;
+and.b32 y, y, 0x01C001C0;
+shl.b32 z, x, 8;
+and.b32 z, z, 0x80008000;
+or.b32 y, y, z;
+fma.rn.bf16x2 y, y, k, nz;
+fma.rn.bf16x2 $3, y, $6, nz;
+}
+""")
+
+DECODE_BF16_BITS, DECODE_FP32_BITS, DECODE_PTX = 0, 1, 2  # `_decode_pairs` modes
+
+
 @triton.jit
-def _decode_tile(byte, s, OUT_BF16: tl.constexpr):
-    """E2M1 pairs times 2^(s - 127) (module docstring): byte int32 [BN, G, 16] (two codes each, low nibble
-    first), s int32 [BN, G, 1] E8M0 bytes -> [BN, G * 32] bfloat16 (OUT_BF16) or float32, K order."""
-    if OUT_BF16:
-        sbits = (s - 1) << 7
+def _decode_pairs(byte, s, DECODE: tl.constexpr):
+    """E2M1 pairs times 2^(s - 127) (module docstring): byte uint8 [..., J] (two codes each, low nibble
+    first), s uint8 E8M0 bytes broadcastable to it -> (lo, hi), each [..., J]: the values of the low and the
+    high nibbles (K columns 2j and 2j + 1), bfloat16 (DECODE_BF16_BITS, DECODE_PTX) or float32."""
+    if DECODE == 2:
+        s_bf = (tl.broadcast_to(s, byte.shape).to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s - 127)
+        lo_v, hi_v = tl.inline_asm_elementwise(_E2M1X2_PTX, "=r,=r,=r,=r,r,r,r", [byte, s_bf],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif DECODE == 0:
+        byte = byte.to(tl.int32)
+        sbits = (s.to(tl.int32) - 1) << 7
         lo, hi = byte & 0x0F, byte >> 4
         lo_m, hi_m = lo & 7, hi & 7
         lo_b = tl.where(lo_m >= 2, (lo_m << 6) + sbits, tl.where(lo_m == 1, sbits, 0)) | ((lo & 8) << 12)
@@ -76,7 +128,8 @@ def _decode_tile(byte, s, OUT_BF16: tl.constexpr):
         lo_v = lo_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi_v = hi_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        sbits = (s - 1) << 23
+        byte = byte.to(tl.int32)
+        sbits = (s.to(tl.int32) - 1) << 23
         lo, hi = byte & 0x0F, byte >> 4
         lo_m, hi_m = lo & 7, hi & 7
         lo_b = tl.where(lo_m >= 2, (lo_m << 22) + sbits, tl.where(lo_m == 1, sbits, 0))
@@ -85,9 +138,14 @@ def _decode_tile(byte, s, OUT_BF16: tl.constexpr):
         hi_v = hi_b.to(tl.float32, bitcast=True)
         lo_v = tl.where(lo >= 8, -lo_v, lo_v)
         hi_v = tl.where(hi >= 8, -hi_v, hi_v)
-    # [BN, G, 16] x 2 -> [BN, G, 16, 2] -> [BN, G * 32]: element 2j is byte j's low nibble.
-    w = tl.join(lo_v, hi_v)
-    return tl.reshape(w, (w.shape[0], w.shape[1] * w.shape[2] * 2))
+    return lo_v, hi_v
+
+
+@triton.jit
+def _dot(acc, w, a_t, IEEE_FP32: tl.constexpr):
+    if IEEE_FP32:
+        return tl.dot(w, a_t, acc, input_precision="ieee")
+    return tl.dot(w.to(a_t.dtype), a_t, acc)
 
 
 @triton.jit
@@ -106,7 +164,7 @@ def grouped_mxfp4_gemm_kernel(
     TOP_K_DIV: tl.constexpr,  # A row of pair p is p // TOP_K_DIV (top_k for w13, 1 for w2)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    DECODE_BF16: tl.constexpr,  # decode to bfloat16 bits (bfloat16 activations), else to float32
+    DECODE: tl.constexpr,  # `_decode_pairs` mode
     IEEE_FP32: tl.constexpr,
     CLAMP_FP16: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -128,12 +186,12 @@ def grouped_mxfp4_gemm_kernel(
                                                      TOP_K_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_g = tl.arange(0, G)
     offs_j = tl.arange(0, 16)
+    offs_g = tl.arange(0, G)
     offs_k = tl.arange(0, BLOCK_K)
     # [BN, G, 16] byte pointers and [BN, G, 1] scale pointers of the K tile at group g0.
-    w_ptrs = (wb_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn
-              + offs_g[None, :, None] * 16 + offs_j[None, None, :])
+    w_ptrs = (wb_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn + offs_g[None, :, None] * 16
+              + offs_j[None, None, :])
     s_ptrs = ws_ptr + expert * stride_se + offs_n[:, None, None] * stride_sn + offs_g[None, :, None]
     # Transposed: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @ a_tile^T (the decoded tile is the
     # dot's A operand, straight from registers; the quantized kernels do the same).
@@ -141,16 +199,15 @@ def grouped_mxfp4_gemm_kernel(
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         g0 = kt * G
         g_mask = n_mask[:, None, None] & ((g0 + offs_g) * 32 < K)[None, :, None]
-        byte = tl.load(w_ptrs + g0 * 16, mask=g_mask, other=0).to(tl.int32)
-        s = tl.load(s_ptrs + g0, mask=g_mask, other=127).to(tl.int32)
-        w = _decode_tile(byte, s, DECODE_BF16)  # [BLOCK_N, BLOCK_K]
+        byte = tl.load(w_ptrs + g0 * 16, mask=g_mask, other=0)
+        s = tl.load(s_ptrs + g0, mask=g_mask, other=127)
+        lo, hi = _decode_pairs(byte, s, DECODE)
+        # [BN, G, 16] x 2 -> [BN, G, 16, 2] -> [BN, BLOCK_K]: element 2j is byte j's low nibble.
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
         kk = g0 * 32 + offs_k
         a_t = tl.load(a_ptr + a_rows[None, :] * stride_am + kk[:, None] * stride_ak,
                       mask=(kk < K)[:, None] & pair_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-        if IEEE_FP32:
-            acc += tl.dot(w, a_t, input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(a_t.dtype), a_t)
+        acc = _dot(acc, w, a_t, IEEE_FP32)
     if HAS_BIAS:
         b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += b[:, None]
@@ -170,12 +227,16 @@ def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
     sorted_pair_ids, tile_expert_ids, num_post = aligned
     num_pairs, n = c.shape
     k = scales.shape[2] * _GROUP
-    # cc 9.0: BLOCK_N 32 for a few pairs (decode) so that enough programs stream the packed bytes, else 64;
-    # BLOCK_K 64 (32 bytes per row and tile, two scale groups). cc 7.0 (FMA dots, float32 decode): 32 x 32
-    # tiles, the largest that compile without register spills at BLOCK_M 16 and 32 (sm_70 ptxas -v).
-    block_n = cfg.block_n or (32 if cc70 or num_pairs <= 64 else 64)
+    # cc 9.0: 64 x 64 weight tiles at every M (H200 sweep at gpt-oss-20b's shapes, benchmarks/gpu/mxfp4_moe.py:
+    # best or within 2% of it from 1 to 4096 tokens). cc 7.0 (FMA dots, float32 decode): 32 x 32, the largest
+    # that compile without register spills at BLOCK_M 16 and 32 (sm_70 ptxas -v).
+    block_n = cfg.block_n or (32 if cc70 else 64)
     block_k = cfg.block_k or (32 if cc70 else 64)
     num_stages = cfg.num_stages or (1 if cc70 else 3)
+    if a.dtype != torch.bfloat16:
+        decode = DECODE_FP32_BITS
+    else:  # the PTX needs a compiled kernel (not the interpreter) and bf16x2 FMAs (cc 8.0)
+        decode = DECODE_PTX if a.is_cuda and not cc70 else DECODE_BF16_BITS
     grid = (tile_expert_ids.numel(), triton.cdiv(n, block_n))
     grouped_mxfp4_gemm_kernel[grid](
         a, blocks, scales, bias if bias is not None else c, c, topk_weights if topk_weights is not None else c,
@@ -184,7 +245,7 @@ def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         a.stride(0), a.stride(1), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None,
-        DECODE_BF16=a.dtype == torch.bfloat16, IEEE_FP32=a.dtype == torch.float32,
+        DECODE=decode, IEEE_FP32=a.dtype == torch.float32,
         CLAMP_FP16=c.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=num_stages,
     )
@@ -223,8 +284,8 @@ def fused_experts_mxfp4_triton(
         topk_weights: [T, k] routing weights; topk_ids: [T, k] expert ids in [0, E).
         activation: `moe_activation.act_and_mul`'s name ("swigluoai" for gpt-oss).
         w13_bias: [E, 2I] or None; w2_bias: [E, H] or None (added once per pair, before the routing weight).
-        block_m: rows per tile (16 or more, a power of two); default 16 up to 1024 pairs (decode), 32 up to
-            4096, 64 beyond (32 on cc 7.0).
+        block_m: rows per tile (16 or more, a power of two); default 16 up to 512 pairs (decode), 64 up to
+            2048, 128 beyond (32 beyond 512 on cc 7.0).
         config: launch settings (`fused_moe_quant.GroupedQuantConfig`; block_k a multiple of 32; one_dot
             is not used); None: the defaults.
 
@@ -253,8 +314,8 @@ def fused_experts_mxfp4_triton(
         block_m = cfg.block_m
     cap, _ = device_facts(hidden_states.device)
     cc70 = tuple(cap) < (8, 0)
-    if block_m is None:
-        block_m = 16 if num_pairs <= 1024 else 32 if num_pairs <= 4096 or cc70 else 64
+    if block_m is None:  # H200 sweep: 16 up to 64 tokens x top-4, 64 at 256 tokens, 128 from 1024
+        block_m = 16 if num_pairs <= 512 else 32 if cc70 else 64 if num_pairs <= 2048 else 128
     aligned = moe_align_block_size(topk_ids, block_m, num_experts)
     gate_up = _new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
     _grouped_mxfp4_gemm(hidden_states, w13_blocks, w13_scales, w13_bias, gate_up, None, aligned, top_k, block_m,
