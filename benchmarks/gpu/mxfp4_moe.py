@@ -8,7 +8,8 @@ Run from the repo root on the GPU machine:
 
 Experts: E 32, H = I = 2880, top-4 (gpt-oss-20b), random codes, scale bytes
 117-121, biases, swigluoai, random routing. Columns (ms per MoE layer call):
-"mxfp4" `fused_experts_mxfp4_triton`; "decode+bf16" the path it replaced
+"mxfp4" `fused_experts_mxfp4_triton`; "gemms" its two grouped GEMM launches
+alone; "decode+bf16" the path it replaced
 (`dequantize_mxfp4` of every expert, then `fused_experts_triton`); "bf16"
 `fused_experts_triton` on bf16 experts; "floor" the packed bytes of the
 experts the step touches (at most min(E, T * k)) at 4.8 TB/s. Timing:
@@ -30,12 +31,12 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import torch  # noqa: E402
 from quant_gemm import HBM_BYTES_PER_S, graph_time_ms  # noqa: E402
 
-TOKENS = (1, 16, 64, 256, 1024, 4096)
+TOKENS = (1, 16, 256, 1024, 4096)
 E, H, I, TOP_K = 32, 2880, 2880, 4
 REPS = 5
 # (block_m, block_n, block_k, num_warps, num_stages) tried by --sweep
-SWEEP = ((16, 32, 64, 4, 3), (16, 64, 64, 4, 3), (16, 32, 128, 4, 3), (16, 64, 128, 4, 4), (32, 64, 64, 4, 3),
-         (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3))
+SWEEP = ((16, 32, 64, 4, 3), (16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (64, 64, 64, 4, 3),
+         (64, 64, 64, 8, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 128, 8, 3))
 
 
 def main() -> int:
@@ -49,7 +50,7 @@ def main() -> int:
         print("mxfp4_moe: no CUDA device visible")
         return 2
     from tokenmill.kernels.triton import fused_moe_mxfp4 as mx
-    from tokenmill.kernels.triton.fused_moe import fused_experts_triton
+    from tokenmill.kernels.triton.fused_moe import fused_experts_triton, moe_align_block_size
     from tokenmill.kernels.triton.fused_moe_quant import GroupedQuantConfig
     from tokenmill.kernels.triton.mxfp4_dequant import dequantize_mxfp4_triton as dequantize_mxfp4
     from tokenmill.layers.fused_moe.reference import select_experts
@@ -79,28 +80,47 @@ def main() -> int:
             return fused_experts_triton(x, dequantize_mxfp4(b13, s13, dtype), dequantize_mxfp4(b2, s2, dtype),
                                         weights, ids, "swigluoai", w13_bias=bias13, w2_bias=bias2)
 
+        # The two grouped GEMM launches alone (routing sort, activation and top-k sum excluded).
+        cc70 = args.cc70
+        block_m = 16 if t * TOP_K <= 512 else 32 if cc70 else 64 if t * TOP_K <= 2048 else 128
+        aligned = moe_align_block_size(ids, block_m, E)
+        gate_up = torch.empty(t * TOP_K, 2 * I, dtype=dtype, device="cuda")
+        down = torch.empty(t * TOP_K, H, dtype=torch.float32, device="cuda")
+        inter = torch.randn(t * TOP_K, I, generator=g, device="cuda").to(dtype)
+        pair_w = weights.reshape(-1).float().contiguous()
+
+        def gemms():
+            mx._grouped_mxfp4_gemm(x, b13, s13, bias13, gate_up, None, aligned, TOP_K, block_m, cc70,
+                                   GroupedQuantConfig())
+            mx._grouped_mxfp4_gemm(inter, b2, s2, bias2, down, pair_w, aligned, 1, block_m, cc70,
+                                   GroupedQuantConfig())
+
         row = dict(tokens=t, dtype=str(dtype).split(".")[-1],
                    floor_ms=min(E, t * TOP_K) * per_expert / HBM_BYTES_PER_S * 1e3,
-                   mxfp4_ms=graph_time_ms([mxfp4] * REPS))
+                   mxfp4_ms=graph_time_ms([mxfp4] * REPS), gemms_ms=graph_time_ms([gemms] * REPS))
         if not args.cc70:
             row["decode_bf16_ms"] = graph_time_ms([decode_all] * 2)
             row["bf16_ms"] = graph_time_ms([lambda: fused_experts_triton(x, w13, w2, weights, ids, "swigluoai",
                                                                          w13_bias=bias13, w2_bias=bias2)] * REPS)
         if args.sweep:
             row["sweep"] = {}
-            for bm, bn, bk, warps, stages in SWEEP:
-                cfg = GroupedQuantConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                name = f"{bm}x{bn}x{bk}w{warps}s{stages}"
-                try:
-                    row["sweep"][name] = graph_time_ms([lambda: mxfp4(cfg)] * REPS)
-                except Exception as e:  # noqa: BLE001 (a launch setting that does not fit: record, go on)
-                    row["sweep"][name] = repr(e)[:80]
+            for prefetch in (True, False):
+                mx._PREFETCH = prefetch
+                for bm, bn, bk, warps, stages in SWEEP:
+                    cfg = GroupedQuantConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    name = f"{'pf' if prefetch else 'nopf'} {bm}x{bn}x{bk}w{warps}s{stages}"
+                    try:
+                        row["sweep"][name] = graph_time_ms([lambda: mxfp4(cfg)] * REPS)
+                    except Exception as e:  # noqa: BLE001 (a launch setting that does not fit: record, go on)
+                        row["sweep"][name] = repr(e)[:80]
+            mx._PREFETCH = True
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\ngpt-oss-20b experts (E {E}, H {H}, I {I}, top-{TOP_K}), {dtype}: ms per MoE layer")
-    print(f"{'tokens':>6} {'mxfp4':>8} {'decode+bf16':>12} {'bf16':>8} {'floor':>8}")
+    print(f"{'tokens':>6} {'mxfp4':>8} {'gemms':>8} {'decode+bf16':>12} {'bf16':>8} {'floor':>8}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['mxfp4_ms']:8.4f} {r.get('decode_bf16_ms', float('nan')):12.4f} "
+        print(f"{r['tokens']:>6} {r['mxfp4_ms']:8.4f} {r['gemms_ms']:8.4f} "
+              f"{r.get('decode_bf16_ms', float('nan')):12.4f} "
               f"{r.get('bf16_ms', float('nan')):8.4f} {r['floor_ms']:8.4f}")
         if "sweep" in r:
             ranked = sorted((v, k) for k, v in r["sweep"].items() if isinstance(v, float))

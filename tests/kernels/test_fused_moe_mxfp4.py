@@ -62,7 +62,8 @@ def _experts(num_experts, hidden, inter, dtype, bias, seed=0, device=DEV):
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
     (b13, s13), (b2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
-    packed = (b13.view(num_experts, 2 * inter, hidden // 32, 16), s13, b2.view(num_experts, hidden, inter // 32, 16), s2)
+    packed = (b13.view(num_experts, 2 * inter, hidden // 32, 16), s13,
+              b2.view(num_experts, hidden, inter // 32, 16), s2)
     packed = tuple(t.to(device) for t in packed)
     biases = (None, None)
     if bias:
@@ -85,14 +86,15 @@ def _reference(x, packed, biases, weights, ids, activation):
     (40, 64, 32, 4, 2, 16, torch.float16, False, "silu"),  # several tiles per expert, no biases
     (9, 96, 64, 3, 1, 32, torch.float16, True, "swigluoai"),  # top-1
 ])
-def test_matches_reference_on_decoded_experts(nan_outputs, monkeypatch, num_tokens, hidden, inter, num_experts, top_k, block_m,
+def test_matches_reference_on_decoded_experts(nan_outputs, num_tokens, hidden, inter, num_experts, top_k, block_m,
                                               dtype, bias, activation):
     packed, biases = _experts(num_experts, hidden, inter, dtype, bias)
     g = torch.Generator().manual_seed(1)
     x = (2 * torch.randn(num_tokens, hidden, generator=g)).to(DEV, dtype)  # pushes gate/up past the +-7 clamp
     weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g).to(DEV), top_k, top_k > 1)
     config = GroupedQuantConfig(block_n=64) if hidden == 160 else None  # N = 160: 2.5 tiles of 64
-    out = mx.fused_experts_mxfp4_triton(x, *packed, weights, ids, activation, *biases, block_m=block_m, config=config)
+    out = mx.fused_experts_mxfp4_triton(x, *packed, weights, ids, activation, *biases, block_m=block_m,
+                                        config=config)
     ref = _reference(x, packed, biases, weights, ids, activation)
     assert out.shape == ref.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3

@@ -56,6 +56,7 @@ from tokenmill.kernels.triton.splitk import device_facts
 
 _GROUP = 32  # values per E8M0 scale
 _GROUP_BYTES = _GROUP // 2
+_PREFETCH = True
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,7 +143,26 @@ def _decode_pairs(byte, s, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _dot(acc, w, a_t, IEEE_FP32: tl.constexpr):
+def _load_tile(w_ptrs, s_ptrs, a_ptr, a_rows, pair_mask, n_mask, offs_g, offs_k, g0, K, stride_am, stride_ak,
+               G: tl.constexpr):
+    """The K tile starting at scale group g0 (masked past K): bytes uint8 [BN, G, 16], scales uint8 [BN, G, 1],
+    A^T [G * 32, BM]."""
+    g_mask = n_mask[:, None, None] & ((g0 + offs_g) * 32 < K)[None, :, None]
+    byte = tl.load(w_ptrs + g0 * 16, mask=g_mask, other=0)
+    s = tl.load(s_ptrs + g0, mask=g_mask, other=127)
+    kk = g0 * 32 + offs_k
+    a_t = tl.load(a_ptr + a_rows[None, :] * stride_am + kk[:, None] * stride_ak,
+                  mask=(kk < K)[:, None] & pair_mask[None, :], other=0.0)
+    return byte, s, a_t
+
+
+@triton.jit
+def _decode_dot(acc, byte, s, a_t, DECODE: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """acc^T [BN, BM] += decode(byte, s) [BN, BLOCK_K] @ a_t [BLOCK_K, BM]."""
+    lo, hi = _decode_pairs(byte, s, DECODE)
+    # [BN, G, 16] x 2 -> [BN, G, 16, 2] -> [BN, BLOCK_K]: element 2j is byte j's low nibble.
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     if IEEE_FP32:
         return tl.dot(w, a_t, acc, input_precision="ieee")
     return tl.dot(w.to(a_t.dtype), a_t, acc)
@@ -165,6 +185,7 @@ def grouped_mxfp4_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DECODE: tl.constexpr,  # `_decode_pairs` mode
+    PREFETCH: tl.constexpr,  # issue the next K tile's loads before this tile's decode and dot
     IEEE_FP32: tl.constexpr,
     CLAMP_FP16: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -196,18 +217,21 @@ def grouped_mxfp4_gemm_kernel(
     # Transposed: acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] @ a_tile^T (the decoded tile is the
     # dot's A operand, straight from registers; the quantized kernels do the same).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        g0 = kt * G
-        g_mask = n_mask[:, None, None] & ((g0 + offs_g) * 32 < K)[None, :, None]
-        byte = tl.load(w_ptrs + g0 * 16, mask=g_mask, other=0)
-        s = tl.load(s_ptrs + g0, mask=g_mask, other=127)
-        lo, hi = _decode_pairs(byte, s, DECODE)
-        # [BN, G, 16] x 2 -> [BN, G, 16, 2] -> [BN, BLOCK_K]: element 2j is byte j's low nibble.
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-        kk = g0 * 32 + offs_k
-        a_t = tl.load(a_ptr + a_rows[None, :] * stride_am + kk[:, None] * stride_ak,
-                      mask=(kk < K)[:, None] & pair_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-        acc = _dot(acc, w, a_t, IEEE_FP32)
+    if PREFETCH:
+        # Loads of K tile kt + 1 are issued before tile kt is decoded and multiplied, so their latency
+        # overlaps that work (Triton does not pipeline loads whose values are decoded in registers).
+        byte, s, a_t = _load_tile(w_ptrs, s_ptrs, a_ptr, a_rows, pair_mask, n_mask, offs_g, offs_k, 0, K, stride_am,
+                                  stride_ak, G)
+        for kt in range(0, tl.cdiv(K, BLOCK_K)):
+            nxt = _load_tile(w_ptrs, s_ptrs, a_ptr, a_rows, pair_mask, n_mask, offs_g, offs_k, (kt + 1) * G, K,
+                             stride_am, stride_ak, G)
+            acc = _decode_dot(acc, byte, s, a_t, DECODE, IEEE_FP32, BLOCK_N, BLOCK_K)
+            byte, s, a_t = nxt
+    else:
+        for kt in range(0, tl.cdiv(K, BLOCK_K)):
+            byte, s, a_t = _load_tile(w_ptrs, s_ptrs, a_ptr, a_rows, pair_mask, n_mask, offs_g, offs_k, kt * G, K,
+                                      stride_am, stride_ak, G)
+            acc = _decode_dot(acc, byte, s, a_t, DECODE, IEEE_FP32, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += b[:, None]
@@ -245,7 +269,7 @@ def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         a.stride(0), a.stride(1), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None,
-        DECODE=decode, IEEE_FP32=a.dtype == torch.float32,
+        DECODE=decode, PREFETCH=_PREFETCH, IEEE_FP32=a.dtype == torch.float32,
         CLAMP_FP16=c.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=num_stages,
     )
