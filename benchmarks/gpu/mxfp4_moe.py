@@ -105,7 +105,7 @@ def main() -> int:
         if args.sweep:
             row["sweep"] = {}
             for prefetch in (True, False):
-                mx._PREFETCH = prefetch
+                mx._PREFETCH_MAX_PAIRS = 1 << 30 if prefetch else 0
                 for bm, bn, bk, warps, stages in SWEEP:
                     cfg = GroupedQuantConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
                     name = f"{'pf' if prefetch else 'nopf'} {bm}x{bn}x{bk}w{warps}s{stages}"
@@ -113,7 +113,7 @@ def main() -> int:
                         row["sweep"][name] = graph_time_ms([lambda: mxfp4(cfg)] * REPS)
                     except Exception as e:  # noqa: BLE001 (a launch setting that does not fit: record, go on)
                         row["sweep"][name] = repr(e)[:80]
-            mx._PREFETCH = True
+            mx._PREFETCH_MAX_PAIRS = 16
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\ngpt-oss-20b experts (E {E}, H {H}, I {I}, top-{TOP_K}), {dtype}: ms per MoE layer")

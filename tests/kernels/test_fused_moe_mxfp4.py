@@ -101,6 +101,18 @@ def test_matches_reference_on_decoded_experts(nan_outputs, num_tokens, hidden, i
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+def test_cc70_settings_match_reference(nan_outputs, monkeypatch):
+    """The cc-7.0 launch (float16, 32 x 32 weight tiles, BLOCK_M 32 past 512 pairs, one stage, no prefetch)."""
+    monkeypatch.setattr(mx, "device_facts", lambda device: ((7, 0), 80))
+    packed, biases = _experts(4, 96, 64, torch.float16, True, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 96, generator=g).to(DEV, torch.float16)
+    weights, ids = select_experts(torch.randn(3, 4, generator=g).to(DEV), 2, True)
+    out = mx.fused_experts_mxfp4_triton(x, *packed, weights, ids, "swigluoai", *biases)
+    ref = _reference(x, packed, biases, weights, ids, "swigluoai")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
 def test_bad_shapes_are_refused():
     (b13, s13, b2, s2), _ = _experts(2, 64, 32, torch.float32, False)
     x = torch.zeros(1, 64, device=DEV)

@@ -56,7 +56,7 @@ from tokenmill.kernels.triton.splitk import device_facts
 
 _GROUP = 32  # values per E8M0 scale
 _GROUP_BYTES = _GROUP // 2
-_PREFETCH = True
+_PREFETCH_MAX_PAIRS = 16  # up to this many (token, expert) pairs the K loop prefetches (H200 sweep)
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -252,10 +252,13 @@ def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
     num_pairs, n = c.shape
     k = scales.shape[2] * _GROUP
     # cc 9.0: 64 x 64 weight tiles at every M (H200 sweep at gpt-oss-20b's shapes, benchmarks/gpu/mxfp4_moe.py:
-    # best or within 2% of it from 1 to 4096 tokens). cc 7.0 (FMA dots, float32 decode): 32 x 32, the largest
-    # that compile without register spills at BLOCK_M 16 and 32 (sm_70 ptxas -v).
+    # best or within 2% of it from 16 to 4096 tokens); up to 16 pairs (1-4 tokens) 64 x 128 with the next K
+    # tile's loads issued before this one's decode (latency-bound there: 8% faster at 1 token; slower from 16
+    # tokens on, where more programs hide the latency). cc 7.0 (FMA dots, float32 decode): 32 x 32, the
+    # largest that compile without register spills at BLOCK_M 16 and 32 (sm_70 ptxas -v).
+    prefetch = not cc70 and num_pairs <= _PREFETCH_MAX_PAIRS
     block_n = cfg.block_n or (32 if cc70 else 64)
-    block_k = cfg.block_k or (32 if cc70 else 64)
+    block_k = cfg.block_k or (32 if cc70 else 128 if prefetch else 64)
     num_stages = cfg.num_stages or (1 if cc70 else 3)
     if a.dtype != torch.bfloat16:
         decode = DECODE_FP32_BITS
@@ -269,7 +272,7 @@ def _grouped_mxfp4_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
         a.stride(0), a.stride(1), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1),
         TOP_K_DIV=top_k_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None,
-        DECODE=decode, PREFETCH=_PREFETCH, IEEE_FP32=a.dtype == torch.float32,
+        DECODE=decode, PREFETCH=prefetch, IEEE_FP32=a.dtype == torch.float32,
         CLAMP_FP16=c.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=num_stages,
     )
