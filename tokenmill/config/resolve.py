@@ -331,10 +331,8 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
         window = sliding_window_group(hf_config, args.pipeline_parallel_size)
     prefix_caching = args.enable_prefix_caching
     if window is not None:
-        logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups); prefix "
-                    "caching is off with two groups (--disable-hybrid-kv-cache-manager keeps one group, full-length "
-                    "KV on every layer, and prefix caching)", window)
-        prefix_caching = False
+        logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups; "
+                    "--disable-hybrid-kv-cache-manager keeps one group, full-length KV on every layer)", window)
     return CacheConfig(
         block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes,
