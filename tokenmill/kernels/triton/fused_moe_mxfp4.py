@@ -13,23 +13,40 @@ slots in float32). The B operand is gpt-oss's packed layout
 `tl.dot`. No expert is ever materialized in 16 bits; experts no token routes
 to are never read. The expert biases are added to the float32 accumulator.
 
-Decode without float arithmetic (`_decode_tile`): the E2M1 value times the
-block's 2^(s - 127) is built directly as the bits of a bfloat16 (or float32)
-number, whose 8-bit exponent field has E8M0's bias. Code c = sign e1 e0 m,
-mag = c & 7, F = 7 (bfloat16) or 23 (float32) mantissa bits:
+Decode (`_decode_pairs`, three modes; all exact, checked bit for bit on
+every byte by the tests):
+
+- DECODE_PTX (bfloat16 on a GPU of cc >= 8.0, the H100/H200 path): inline
+  PTX on 4 bytes at a time (`_E2M1X2_PTX`): prmt spreads two bytes into the
+  16-bit lanes of a register, shifts and masks put each code's magnitude
+  bits on bfloat16 bits 6-8 and its sign on bit 15 (the E2M1 value times
+  2^-126, subnormal for e == 0), then two packed bf16x2 FMAs multiply by
+  2^126 and by the E8M0 scale (a bfloat16 built from the scale byte's bits):
+  about 3 instructions per value, no conversions.
+- DECODE_BF16_BITS / DECODE_FP32_BITS (the interpreter, float32 and float16
+  activations): the value times 2^(s - 127) built directly as the bits of a
+  bfloat16 / float32 number, whose 8-bit exponent field has E8M0's bias.
+  Code c = sign e1 e0 m, mag = c & 7, F = 7 (bfloat16) or 23 (float32)
+  mantissa bits:
 
     mag >= 2, value (1 + m/2) 2^(e-1) 2^(s-127):  (mag << (F - 1)) + ((s - 1) << F)
     mag == 1, value 0.5 * 2^(s-127):              (s - 1) << F
     mag == 0:                                     0
     then the sign bit (bfloat16: (c & 8) << 12; float32: a negation)
 
-((mag << (F - 1)) puts e on the exponent field's two low bits and m on the
-mantissa's top bit; adding (s - 1) << F adds s - 1 to that exponent, giving
-the biased exponent e - 1 + s.) Integer shifts, adds and selects only, no
-int-to-float conversion; exact for scale bytes 2-252 (the results stay
-normal and finite; checkpoints use bytes near 127). float16 activations take
-the float32 decode rounded once to float16, as `kernels/mxfp4.py`'s decode
-followed by `.to(float16)`.
+  ((mag << (F - 1)) puts e on the exponent field's two low bits and m on the
+  mantissa's top bit; adding (s - 1) << F adds s - 1 to that exponent.)
+  Integer shifts, adds and selects only. All three are exact for scale
+  bytes 2-252, the range the tests check (checkpoints use bytes near 127). float16 takes the
+  float32 decode rounded once, as `kernels/mxfp4.py`'s decode followed by
+  `.to(float16)`.
+
+The decoded [BN, G, 16] low- and high-nibble halves are interleaved
+(tl.join + reshape) into one [BLOCK_N, BLOCK_K] tile, the A operand of one
+`tl.dot` from registers (acc^T = W A^T). Two K=16 dots per 32-value group
+on even / odd columns of A instead were up to 8x slower on the H200. Up to 16
+pairs (1-4 tokens: latency-bound) the next K tile's loads are issued before
+this tile's decode and dot (PREFETCH).
 
 cc < 8.0 (Volta, float16): the same grouped kernel for every M, one stage.
 Triton lowers `tl.dot` to FMAs there (no tensor cores, shared/PLATFORMS.md)
