@@ -36,6 +36,12 @@
 #   kvfp8-tpot, kvfp8-offline   tpot / offline (--hf-prompts 0) with --kv-cache-dtype fp8 (Llama-3.1-8B
 #            config, bf16 weights): compare TPOT and "KV cache: ... tokens" with the tpot / offline parts
 #   kvfp8-cc70   tpot with --kv-cache-dtype fp8 on the cc-7.0 path (fp16, TOKENMILL_FORCE_CC70=1)
+#   osstests the MXFP4 fused-MoE kernel tests (GPU-marked one at gpt-oss-20b sizes) and the gpt-oss model tests
+#   mxfp4k   mxfp4_moe.py --sweep: the MXFP4 fused MoE vs decode-all + bf16 at gpt-oss-20b expert shapes
+#   osstpot-20b, osstpot-120b      tpot, gpt-oss-{20b,120b} configs (dummy MXFP4 experts), bf16
+#   ossoffline-20b, ossoffline-120b  offline, 1000 prompts in/out U[100, 1024], no transformers baseline
+#   osscc70-20b, osstpot-cc70-20b  gpt-oss-20b offline / tpot on the cc-7.0 path (fp16)
+#   (gpt-oss-120b's tpot/offline need ~63 GB of weights loaded: give them part:seconds headroom)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -81,6 +87,13 @@ for spec in "$@"; do
     kvfp8-tpot) cmd="python benchmarks/gpu/offline_bench.py --part tpot --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-tpot.json" ;;
     kvfp8-offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --hf-prompts 0 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-offline.json" ;;
     kvfp8-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-cc70.json" ;;
+    osstests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_fused_moe_mxfp4.py tests/kernels/test_mxfp4_dequant.py tests/kernels/test_triton_moe.py tests/models/test_gpt_oss.py" ;;
+    mxfp4k)  cmd="python benchmarks/gpu/mxfp4_moe.py --sweep --json-out $OUT/mxfp4_moe.json" ;;
+    osstpot-20b|osstpot-120b|ossoffline-20b|ossoffline-120b)
+             m=${part#*-}; p=${part%-*}; p=${p#oss}
+             cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/gpt-oss-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    osscc70-20b) cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/gpt-oss-20b.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
+    osstpot-cc70-20b) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --config benchmarks/configs/gpt-oss-20b.json --git-commit $COMMIT --json-out $OUT/$part.json" ;;
     *) echo "unknown part $part"; continue ;;
   esac
   echo "=== $part: $cmd"

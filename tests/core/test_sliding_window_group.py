@@ -104,3 +104,65 @@ def test_fits_check_counts_both_groups():
     # 10 blocks: a 20-token sequence takes 5 + 5, a 21-token one 6 + 5
     with pytest.raises(ValueError, match="The largest max_model_len that fits is 20"):
         check_max_model_len_fits(10, BS, 40, window=WINDOW, chunk=8)
+
+
+def _caching_manager(num_blocks: int = 24) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, enable_caching=True, max_model_len=256, sliding_window=WINDOW)
+
+
+def _run_prompt(m: KVCacheManager, r) -> tuple[list[int], list[int]]:
+    """Admit r with its prefix-cache hits, compute its whole prompt in one step, sample one token."""
+    hits, num_hit = m.get_computed_blocks(r)
+    ids = m.allocate_slots(r, r.num_tokens - num_hit, num_hit, hits)
+    assert ids is not None
+    swa = m.pop_new_swa_block_ids(r.request_id)
+    r.num_computed_tokens = r.num_tokens
+    r.append_output_token_ids([7])
+    return ids, swa
+
+
+def test_prefix_hits_take_the_full_blocks_and_the_window_before_them(make_request):
+    """Two groups with prefix caching: a hit of n blocks takes full blocks 0..n-1 and only the sliding-window
+    blocks a query at n * 4 can see ((n * 4 - 6, n * 4 - 1]); each group has its own cache entries."""
+    m = _caching_manager()
+    a = make_request("a", list(range(100, 114)), max_tokens=8)  # 14 tokens: 3 full blocks
+    assert _run_prompt(m, a) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    m.free(a)  # queue: 8..23, then swa 7 6 5 4, then full 3 2 1 0
+    b = make_request("b", list(range(100, 112)) + [1, 2, 3, 4], max_tokens=8)  # same first 3 blocks
+    hits, num_hit = m.get_computed_blocks(b)
+    # at most (16 - 1) // 4 = 3 blocks; the window of a query at 12 is 7..11 -> swa blocks 1, 2 (ids 5, 6)
+    assert [blk.block_id for blk in hits] == [0, 1, 2] and num_hit == 12
+    assert m.allocate_slots(b, 4, 12, hits) == [0, 1, 2, 8]
+    assert m.pop_new_swa_block_ids("b") == [9]
+    assert m.get_block_ids("b", swa=True) == [0, 5, 6, 9]  # entry 0 is out of the window: never held
+    assert m.num_swa_blocks("b") == 3 and m.prefix_cache_hits == 12 and m.prefix_cache_queries == 14 + 16
+    b.num_computed_tokens = 16
+    m.free(b)
+    assert m.num_free_blocks == 24 and not m.swa_tables and not m._swa_hits
+
+
+def test_a_missing_window_block_shortens_the_hit(make_request):
+    """The full group alone would hit 3 blocks; with the sliding-window copy of block 2 gone only 2 remain
+    (a query at 8 sees 3..7: swa blocks 0 and 1)."""
+    m = _caching_manager()
+    a = make_request("a", list(range(100, 114)), max_tokens=8)
+    _run_prompt(m, a)
+    m.free(a)
+    m.block_pool.uncache_block(m.block_pool.blocks[6])  # a's sliding-window block 2
+    b = make_request("b", list(range(100, 116)), max_tokens=8)
+    hits, num_hit = m.get_computed_blocks(b)
+    assert [blk.block_id for blk in hits] == [0, 1] and num_hit == 8
+    assert m.allocate_slots(b, 8, 8, hits) == [0, 1, 8, 9]
+    assert m.get_block_ids("b", swa=True) == [4, 5, 10, 11] and m.pop_new_swa_block_ids("b") == [10, 11]
+
+
+def test_unwritten_blocks_of_a_preempted_request_leave_both_caches(make_request):
+    """Blocks cached when scheduled but freed before their step ran (num_computed_tokens behind) are
+    uncached in both groups, so no later request hits KV that was never written."""
+    m = _caching_manager()
+    a = make_request("a", list(range(100, 114)), max_tokens=8)
+    assert m.allocate_slots(a, 14) == [0, 1, 2, 3]
+    m.free(a)  # num_computed_tokens 0: nothing was written
+    assert m.block_pool.cached_block_hash_to_block == {}
+    b = make_request("b", list(range(100, 114)), max_tokens=8)
+    assert m.get_computed_blocks(b) == ([], 0)

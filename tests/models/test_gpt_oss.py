@@ -354,7 +354,8 @@ def test_packed_mxfp4_experts_match_dequantized_at_load(checkpoints, monkeypatch
 def test_two_kv_groups_match_one_group(checkpoints, caplog):
     """The sliding-window KV group (blocks freed as the window moves, layers paired on shared tensors) gives
     the same greedy tokens as full-length KV on every layer (--disable-hybrid-kv-cache-manager), logs its
-    capacity, and returns every block."""
+    capacity, and returns every block; with prefix caching on in both, a second round of the same prompts
+    hits the cache (two groups: full blocks plus the window before them) and gives the same tokens again."""
     import logging
 
     _, folders = checkpoints
@@ -365,17 +366,25 @@ def test_two_kv_groups_match_one_group(checkpoints, caplog):
         caplog.clear()
         with caplog.at_level(logging.INFO):
             llm = LLM(model=folders["bf16"], dtype="float32", skip_tokenizer_init=True, block_size=4,
-                      num_gpu_blocks_override=80, max_num_batched_tokens=16, max_model_len=96, seed=0,
+                      num_gpu_blocks_override=400, max_num_batched_tokens=16, max_model_len=96, seed=0,
                       disable_hybrid_kv_cache_manager=disable)
         cache = llm.llm_engine.engine_config.cache_config
         assert cache.sliding_window_group == (None if disable else 6)
-        assert cache.enable_prefix_caching == disable
+        assert cache.enable_prefix_caching
         if not disable:
             assert "sliding-window layers (window 6 tokens)" in caplog.text
-        outs[disable] = [list(o.outputs[0].token_ids) for o in
-                         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
-        assert kv.num_free_blocks == 80 and not kv.req_to_blocks and not kv.swa_tables
+        rounds = []
+        for _ in range(2):
+            hits_before = kv.prefix_cache_hits
+            rounds.append([list(o.outputs[0].token_ids) for o in
+                           llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+            assert kv.num_free_blocks == 400 and not kv.req_to_blocks and not kv.swa_tables
+        # Second round (400 blocks: nothing evicted): every prompt hits all its full blocks but the one
+        # holding its last token.
+        assert kv.prefix_cache_hits - hits_before == sum((len(p) - 1) // 4 * 4 for p in prompts)
+        assert rounds[0] == rounds[1]
+        outs[disable] = rounds[0]
     assert outs[False] == outs[True]
 
 

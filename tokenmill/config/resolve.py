@@ -335,10 +335,8 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
         window = sliding_window_group(hf_config, args.pipeline_parallel_size)
     prefix_caching = args.enable_prefix_caching
     if window is not None:
-        logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups); prefix "
-                    "caching is off with two groups (--disable-hybrid-kv-cache-manager keeps one group, full-length "
-                    "KV on every layer, and prefix caching)", window)
-        prefix_caching = False
+        logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups; "
+                    "--disable-hybrid-kv-cache-manager keeps one group, full-length KV on every layer)", window)
     cache_dtype = str(args.kv_cache_dtype).lower()
     if cache_dtype != "auto":
         logger.info("KV cache dtype %s (%s): K and V stored in 8 bits, scaled per layer by the checkpoint's "

@@ -195,7 +195,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int], num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(self, blocks: list[KVCacheBlock | None], block_hashes: list[int], num_cached_blocks: int,
+                          num_full_blocks: int) -> None:
         """Enter blocks `[num_cached_blocks, num_full_blocks)` of a block table into the map.
 
         Args:
@@ -206,13 +207,17 @@ class BlockPool:
             num_full_blocks: blocks of this table whose tokens are all known.
 
         A block that already has a hash (a prefix-cache hit) is left as it
-        is; a block whose hash another block already owns stays uncached.
+        is; a block whose hash another block already owns stays uncached; a
+        None entry (a sliding-window table's block freed out of the window)
+        is skipped.
         """
         if not self.enable_caching:
             return
         assert num_full_blocks <= len(blocks) and num_full_blocks <= len(block_hashes)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
+            if block is None:
+                continue
             if block.block_hash is not None:
                 assert block.block_hash == block_hashes[i], "a cached block sits at a position with another hash"
                 continue

@@ -31,7 +31,18 @@ attention never reads):
     full table | b0 | b1 | b2 | b3 |
     swa table  | -- | -- | b6 | b7 |   first visible: 13 - 6 + 1 = 8 -> blocks before 8 // 4 = 2 freed
 
-Prefix caching is off with a sliding-window group (the caller turns it off).
+Prefix caching with a sliding-window group: each group has its own cache
+entries (a sliding-window block holds other layers' KV than a full one), the
+sliding-window group's under the block hash with bit 64 set (`_SWA_TAG`;
+the chained hashes are 64-bit). A hit of n blocks needs the full group's
+blocks 0..n-1 and, in the sliding-window group, only the blocks the first
+computed query can see, (n * bs - W, n * bs - 1] (earlier entries are None):
+
+    W = 6, block_size 4, n = 3: first query at 12 sees 7..12 -> blocks 1, 2
+    full hits | b0 | b1 | b2 |        swa hits | -- | s1 | s2 |
+
+`get_computed_blocks` returns the longest such n (full blocks) and keeps the
+sliding-window part for the admitting `allocate_slots`.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from __future__ import annotations
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.kv_cache_utils import update_block_hashes
 from tokenmill.core.request import Request
+
+_SWA_TAG = 1 << 64  # sliding-window group cache key = block hash | _SWA_TAG (block hashes are 64-bit)
 
 
 class KVCacheManager:
@@ -50,7 +63,7 @@ class KVCacheManager:
         enable_caching: prefix caching on/off.
         max_model_len: longest sequence (prompt + output) in tokens.
         sliding_window: the window of the sliding-window layer group (module
-            docstring), or None for one group; needs enable_caching off.
+            docstring), or None for one group.
 
     Attributes:
         prefix_cache_queries: cumulative tokens of requests looked up in the
@@ -65,12 +78,13 @@ class KVCacheManager:
                  sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size}.")
-        assert not (enable_caching and sliding_window), "prefix caching is off with a sliding-window group"
         self.sliding_window = sliding_window
         # req_id -> sliding-window group table (None = freed, out of the window)
         self.swa_tables: dict[str, list[KVCacheBlock | None]] = {}
         # req_id -> sliding-window block ids appended by its latest allocate_slots (pop_new_swa_block_ids)
         self._new_swa_ids: dict[str, list[int]] = {}
+        # req_id -> sliding-window part of the hit found by its latest get_computed_blocks (taken on admission)
+        self._swa_hits: dict[str, list[KVCacheBlock | None]] = {}
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
@@ -108,6 +122,10 @@ class KVCacheManager:
         Does not take references; pass the blocks to `allocate_slots`, which
         does. Call only for a request that holds no blocks (new or preempted).
 
+        With a sliding-window group the hit also needs that group's blocks in
+        the window before it (module docstring); their list is kept for the
+        admitting `allocate_slots`.
+
         Returns:
             (blocks, num_computed_tokens): the hit blocks in order and
             `len(blocks) * block_size`; ([], 0) with caching off, or for a
@@ -125,7 +143,22 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.sliding_window is not None:
+            hits, self._swa_hits[request.request_id] = self._window_hits(block_hashes, hits)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, block_hashes: list[int],
+                     full_hits: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], list[KVCacheBlock | None]]:
+        """The longest n <= len(full_hits) whose window blocks are cached in the sliding-window group:
+        (full_hits[:n], swa table prefix of n entries, None before the window)."""
+        assert self.sliding_window is not None
+        block_size = self.block_size
+        for n in range(len(full_hits), 0, -1):
+            first = max(0, n * block_size - self.sliding_window + 1) // block_size
+            window = [self.block_pool.get_cached_block(h | _SWA_TAG) for h in block_hashes[first:n]]
+            if all(b is not None for b in window):
+                return full_hits[:n], [None] * first + window
+        return [], []
 
     def allocate_slots(
         self,
@@ -162,7 +195,7 @@ class KVCacheManager:
         if num_end <= self.noop_end.get(req_id, -1) and not new_computed_blocks:
             return []  # most decode steps
         if self.sliding_window is not None:
-            return self._allocate_hybrid(request, num_end)
+            return self._allocate_hybrid(request, num_end, num_new_computed_tokens, new_computed_blocks)
         req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             new_computed_blocks = self._admit(request, num_new_computed_tokens, new_computed_blocks, num_end)
@@ -193,14 +226,18 @@ class KVCacheManager:
         self._set_noop_end(req_id, len(req_blocks))
         return new_block_ids
 
-    def _allocate_hybrid(self, request: Request, num_end: int) -> list[int] | None:
-        """allocate_slots with a sliding-window group (no prefix caching): free the blocks that slid out of
-        the window, then take fresh blocks for both tables, or nothing."""
+    def _allocate_hybrid(self, request: Request, num_end: int, num_new_computed_tokens: int,
+                         new_computed_blocks: list[KVCacheBlock] | None) -> list[int] | None:
+        """allocate_slots with a sliding-window group: on admission take both groups' hits; free the blocks
+        that slid out of the window; then take fresh blocks for both tables, or nothing."""
         req_id, block_size = request.request_id, self.block_size
         assert self.sliding_window is not None
-        req_blocks = self.req_to_blocks.setdefault(req_id, [])
-        swa = self.swa_tables.setdefault(req_id, [])
-        self.num_cached_block.setdefault(req_id, 0)
+        hits = new_computed_blocks or []
+        swa_hits = self._swa_hits.pop(req_id, []) if hits else []
+        assert len(swa_hits) == len(hits) and num_new_computed_tokens == len(hits) * block_size
+        assert not hits or req_id not in self.req_to_blocks, "prefix-cache hits are only taken on admission"
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        swa = self.swa_tables.get(req_id, [])
         first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
         gone = [b for b in swa[: first_visible // block_size] if b is not None]
         if gone:
@@ -208,20 +245,44 @@ class KVCacheManager:
                 swa[j] = None
             self.block_pool.free_blocks(reversed(gone))
         num_needed = -(-num_end // block_size)
-        num_full, num_swa = num_needed - len(req_blocks), num_needed - len(swa)
-        if max(num_full, 0) + max(num_swa, 0) > self.block_pool.get_num_free_blocks():
+        num_full = num_needed - len(req_blocks) - len(hits)
+        num_swa = num_needed - len(swa) - len(swa_hits)
+        held = [b for b in hits + swa_hits if b is not None]
+        # Hits sitting in the free queue stop being free once touched.
+        num_free_hits = sum(1 for b in held if b.ref_cnt == 0)
+        if max(num_full, 0) + max(num_swa, 0) > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
-        new_ids: list[int] = []
+        # Touch the hits before taking fresh blocks so taking cannot evict them.
+        self.block_pool.touch(held)
+        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
+        swa = self.swa_tables.setdefault(req_id, swa)
+        if req_id not in self.num_cached_block:
+            self.num_cached_block[req_id] = 0
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        req_blocks.extend(hits)
+        swa.extend(swa_hits)
+        new_ids = [b.block_id for b in hits]
         if num_full > 0:
             fresh = self.block_pool.get_new_blocks(num_full)
             req_blocks.extend(fresh)
-            new_ids = [b.block_id for b in fresh]
+            new_ids += [b.block_id for b in fresh]
         swa_ids: list[int] = []
         if num_swa > 0:
             fresh = self.block_pool.get_new_blocks(num_swa)
             swa.extend(fresh)
             swa_ids = [b.block_id for b in fresh]
         self._new_swa_ids[req_id] = swa_ids
+        if self.enable_caching:
+            num_full_blocks = min(num_end, request.num_tokens) // block_size
+            num_cached = self.num_cached_block[req_id]
+            if num_full_blocks > num_cached:
+                block_hashes = update_block_hashes(block_size, request)
+                self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
+                swa_hashes = [h | _SWA_TAG for h in block_hashes[:num_full_blocks]]
+                self.block_pool.cache_full_blocks(swa, swa_hashes, num_cached, num_full_blocks)
+                self.num_cached_block[req_id] = num_full_blocks
         self._set_noop_end(req_id, len(req_blocks))
         return new_ids
 
@@ -280,8 +341,12 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.noop_end.pop(request.request_id, None)
         self._new_swa_ids.pop(request.request_id, None)
+        self._swa_hits.pop(request.request_id, None)
         swa = self.swa_tables.pop(request.request_id, None)
         if swa:
+            for block in swa[request.num_computed_tokens // self.block_size :]:
+                if block is not None and block.block_hash is not None and block.ref_cnt == 1:
+                    self.block_pool.uncache_block(block)
             self.block_pool.free_blocks(reversed([b for b in swa if b is not None]))
         if not blocks:
             return

@@ -16,6 +16,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     quant_linear         triton/quant_linear.py             - (weights dequantized at load)
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
     fused_experts_quant  triton/fused_moe_quant.py          -
+    fused_experts_mxfp4  triton/fused_moe_mxfp4.py          - (experts dequantized at load)
     fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference, no FP8 arithmetic)
     quantize_fp8_activations  triton/fp8_quant.py           fp8.py (PyTorch, bit-equal)
     dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
@@ -226,6 +227,20 @@ def fused_experts_quant(hidden_states: torch.Tensor, w13: QuantTensors, w2: Quan
     from tokenmill.kernels.triton.fused_moe_quant import fused_experts_quant_triton
 
     return fused_experts_quant_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def fused_experts_mxfp4(hidden_states: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor,
+                        w2_blocks: torch.Tensor, w2_scales: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, activation: str = "swigluoai", w13_bias: torch.Tensor | None = None,
+                        w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_experts` with MXFP4 expert weights decoded inside the grouped GEMMs, CUDA: hidden [T, H],
+    w13 blocks [E, 2I, H / 32, 16] / scales [E, 2I, H / 32] uint8, w2 blocks [E, H, I / 32, 16] / scales
+    [E, H, I / 32], topk [T, k], optional biases [E, 2I] / [E, H] -> [T, H]
+    (`kernels.triton.fused_moe_mxfp4.fused_experts_mxfp4_triton`)."""
+    from tokenmill.kernels.triton.fused_moe_mxfp4 import fused_experts_mxfp4_triton
+
+    return fused_experts_mxfp4_triton(hidden_states, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights,
+                                      topk_ids, activation, w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,

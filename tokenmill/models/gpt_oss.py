@@ -17,8 +17,8 @@ What differs from the shared decoder shell, as transformers' `modeling_gpt_oss.p
   [E, H, 2I], `experts.down_proj` [E, I, H] (bf16 copies), or MXFP4
   (`quantization_config.quant_method == "mxfp4"`) `*_blocks` / `*_scales`
   in nn.Linear's [out, in] layout (`kernels/mxfp4.py`): on a GPU kept
-  packed (`layers/fused_moe/mxfp4.py`, decoded per layer before the 16-bit
-  grouped GEMM), elsewhere dequantized at load into the model dtype.
+  packed (`layers/fused_moe/mxfp4.py`, decoded tile by tile inside the
+  fused-MoE grouped GEMM), elsewhere dequantized at load into the model dtype.
 
 float16 (the cc-7.0 path): the residual stream is kept in float32
 (`decoder_layers.add_norm` says why); bfloat16 and float32 keep it in the
@@ -128,8 +128,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
         packed = keep_mxfp4_packed(config)
         super().__init__(config)
         if packed:
-            logger.info("gpt-oss MXFP4 experts stay packed in device memory and are decoded per layer before the "
-                        "%s expert GEMMs", torch.get_default_dtype())
+            logger.info("gpt-oss MXFP4 experts stay packed in device memory and are decoded to %s inside the "
+                        "fused-MoE grouped GEMMs", torch.get_default_dtype())
         elif quant_method(config) == "mxfp4":
             logger.info("gpt-oss MXFP4 experts are dequantized at load to %s", torch.get_default_dtype())
 

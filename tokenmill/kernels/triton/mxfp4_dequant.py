@@ -1,11 +1,9 @@
 """Triton kernel: MXFP4 (`*_blocks` / `*_scales`) to a dense 16/32-bit weight, on the GPU.
 
-The first GPU path of gpt-oss's MXFP4 experts: the packed tensors stay in GPU
-memory (4.25 bits per weight) and each MoE layer decodes its experts into a
-scratch weight right before the unchanged 16-bit grouped GEMM
-(`triton/fused_moe.py`). Decoding inside the GEMM's K loop is the faster
-path still to be written; this one trades a write and a read of the dense
-experts per layer and step for needing no new GEMM.
+Whole-tensor decode (`kernels.dequantize_mxfp4` on CUDA: dense copies of
+packed experts, `Mxfp4FusedMoE.expert_weights`, and the baseline of
+benchmarks/gpu/mxfp4_moe.py). The MoE forward does not use it: it decodes
+tile by tile inside the grouped GEMM (`triton/fused_moe_mxfp4.py`).
 
 Format and layout: `kernels/mxfp4.py` (OCP MX v1.0; low nibble first). The
 E2M1 value of code c is computed, not looked up: sign c >> 3, exponent

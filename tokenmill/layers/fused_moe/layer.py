@@ -288,26 +288,31 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if isinstance(self.quant, Fp8Scheme):  # dequantized per forward (module docstring), then the 16-bit experts
-            w13, w2 = (self.fp8_dense(p, hidden_states.dtype) for p in ("w13", "w2"))
-            w2_bias = self.w2_bias if self.tp_rank == 0 else None
-            out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
-        elif self.quant is not None:  # int4/int8 experts (no expert biases in these checkpoints)
-            if hidden_states.is_cuda:
-                out = kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
-                                                  topk_weights, topk_ids, self.activation)
-            else:  # the loader dequantizes CPU layers; this serves a layer built by hand
-                w13, w2 = (kernels.dequantize_weight(self.quant_tensors(p), hidden_states.dtype) for p in ("w13", "w2"))
-                out = fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation)
-        else:
-            # Under TP the down bias joins on rank 0 only: the all-reduce sums the ranks' partial outputs.
-            w2_bias = self.w2_bias if self.tp_rank == 0 else None
-            w13, w2 = self.expert_weights()
-            out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias,
-                                w2_bias)
+        # Under TP the down bias joins on rank 0 only: the all-reduce sums the ranks' partial outputs.
+        w2_bias = self.w2_bias if self.tp_rank == 0 else None
+        out = self.apply_experts(hidden_states, topk_weights, topk_ids, w2_bias)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    def apply_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      w2_bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's expert outputs [T, H] for routed `topk_ids` / `topk_weights` [T, k] (before the
+        all-reduce); `w2_bias` is the down bias this rank adds (None on ranks > 0). Packed-weight
+        subclasses override it."""
+        if isinstance(self.quant, Fp8Scheme):  # dequantized per forward (module docstring), then the 16-bit experts
+            w13, w2 = (self.fp8_dense(p, hidden_states.dtype) for p in ("w13", "w2"))
+            return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias,
+                                 w2_bias)
+        if self.quant is not None:  # int4/int8 experts (no expert biases in these checkpoints)
+            if hidden_states.is_cuda:
+                return kernels.fused_experts_quant(hidden_states, self.quant_tensors("w13"), self.quant_tensors("w2"),
+                                                   topk_weights, topk_ids, self.activation)
+            # the loader dequantizes CPU layers; this serves a layer built by hand
+            w13, w2 = (kernels.dequantize_weight(self.quant_tensors(p), hidden_states.dtype) for p in ("w13", "w2"))
+            return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation)
+        w13, w2 = self.expert_weights()
+        return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "

@@ -8,11 +8,13 @@ Parameters per rank (`kernels/mxfp4.py` layout, nn.Linear's [out, in] rows):
     w2_scales  [E, H, I_p / 32]       uint8
 
 4.25 bits per weight instead of 16: gpt-oss-120b's experts take 61 GB
-instead of 229 GB, so the model fits one 141 GB GPU. Each forward decodes
-the layer's experts into a dense scratch weight (`kernels.dequantize_mxfp4`,
-one Triton launch per projection on CUDA) and runs the 16-bit grouped GEMM;
-the dense scratch lives only during the layer. Decoding inside the GEMM is
-the faster path not written yet.
+instead of 229 GB, so the model fits one 141 GB GPU. On CUDA the forward
+runs `kernels.fused_experts_mxfp4`: grouped GEMMs that read the routed
+experts' packed tiles and decode them in registers inside the K loop
+(`kernels/triton/fused_moe_mxfp4.py`, also the cc-7.0 float16 path); no
+dense copy of any expert exists. Elsewhere (a CPU layer built packed, as the
+tests force) it decodes the experts (`expert_weights`) and runs the PyTorch
+reference; the CPU loader normally dequantizes at load instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.layers.fused_moe.layer import FusedMoE
+from tokenmill.layers.fused_moe.reference import fused_experts_reference
 
 _BLOCK = 32  # values per MXFP4 scale
 # E8M0 scale byte of dummy weights: 2^(119 - 127) = 1/256, codes up to 6 -> |w| <= 0.023 (normal(0, 0.02)'s scale).
@@ -80,9 +83,22 @@ class Mxfp4FusedMoE(FusedMoE):
         param.data.copy_(loaded)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E, 2 I_p, H], w2 [E, H, I_p]) in the model dtype, decoded from the packed MXFP4 blocks this step."""
+        """(w13 [E, 2 I_p, H], w2 [E, H, I_p]) in the model dtype, decoded from the packed MXFP4 blocks (dense
+        copies; the CUDA forward never makes them)."""
         return (kernels.dequantize_mxfp4(self.w13_blocks, self.w13_scales, self.dtype),
                 kernels.dequantize_mxfp4(self.w2_blocks, self.w2_scales, self.dtype))
+
+    def apply_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      w2_bias: torch.Tensor | None) -> torch.Tensor:
+        """`FusedMoE.apply_experts` on the packed weights: the MXFP4 grouped GEMMs on CUDA, decode then the
+        PyTorch reference elsewhere."""
+        if hidden_states.is_cuda:
+            return kernels.fused_experts_mxfp4(hidden_states, self.w13_blocks, self.w13_scales, self.w2_blocks,
+                                               self.w2_scales, topk_weights, topk_ids, self.activation,
+                                               self.w13_bias, w2_bias)
+        w13, w2 = self.expert_weights()
+        return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, self.activation,
+                                       self.w13_bias, w2_bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", weights=mxfp4"
