@@ -42,8 +42,8 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype | str) -> torch.dtype:
-    """The KV cache's storage dtype for `--kv-cache-dtype name`: the model dtype for "auto", else fp8.
+def normalize_kv_cache_dtype(name: str) -> str:
+    """The canonical `--kv-cache-dtype` key of `name` (case and surrounding blanks ignored).
 
     Raises:
         ValueError: `name` is not one of `KV_CACHE_DTYPES` (the sentence lists them).
@@ -52,7 +52,16 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype | str) -> torch.dtype:
     if key not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name} is not supported; use one of {', '.join(KV_CACHE_DTYPES)} "
                          "(auto = the model dtype).")
-    dtype = KV_CACHE_DTYPES[key]
+    return key
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype | str) -> torch.dtype:
+    """The KV cache's storage dtype for `--kv-cache-dtype name`: the model dtype for "auto", else fp8.
+
+    Raises:
+        ValueError: `name` is not one of `KV_CACHE_DTYPES` (the sentence lists them).
+    """
+    dtype = KV_CACHE_DTYPES[normalize_kv_cache_dtype(name)]
     return dtype if dtype is not None else (parse_dtype(model_dtype) if isinstance(model_dtype, str)
                                             else model_dtype)
 

@@ -32,3 +32,14 @@ def test_triton_writes_into_out_and_checks_shapes():
     assert out[:, 0::2].eq(0.5).all() and out[:, 1::2].eq(1.0).all()
     with pytest.raises(ValueError, match="disagree"):
         dequantize_mxfp4_triton(blocks, scales[:, :1], torch.float32)
+
+
+def test_gpu_scale_byte_check_names_the_tensor_and_range():
+    # Mxfp4FusedMoE runs this on CUDA loads: the kernels build 2^(e - 127) from bits, exact for bytes 2..252.
+    from tokenmill.layers.fused_moe.mxfp4 import check_gpu_scale_bytes
+
+    check_gpu_scale_bytes("w13_scales", torch.tensor([2, 127, 252], dtype=torch.uint8))
+    check_gpu_scale_bytes("w2_scales", torch.empty(0, dtype=torch.uint8))
+    for bad in (1, 253, 255):
+        with pytest.raises(ValueError, match=rf"w2_scales holds E8M0 scale bytes .*{bad}"):
+            check_gpu_scale_bytes("w2_scales", torch.tensor([120, bad], dtype=torch.uint8))

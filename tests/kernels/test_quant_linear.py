@@ -364,8 +364,13 @@ def test_tensor_core_gemv_matches_dequantize_then_matmul(nan_outputs, group_size
         _check(ql.quant_linear(x, w, bias if m != 3 else None, plan=plan), x, w, bias if m != 3 else None)
 
 
-def test_tensor_core_gemv_refuses_weights_it_cannot_take():
+def test_tensor_core_gemv_refuses_weights_it_cannot_take(monkeypatch):
     w = random_quant(8, 256, 4, 32, True, False, device=DEV)  # group 32 < block_k 64
     with pytest.raises(ValueError, match="tensor-core GEMV"):
         ql.quant_linear(torch.randn(1, 256).to(DEV), w, plan=ql.QuantLinearPlan("dot", 16, 32, 64, 1))
-    assert ql.plan_quant_linear(1, 8, w, (9, 0), 132).path != "dot"
+    # With the path switched on, the planner takes it for group 128 at K = 256 and routes group 32 around it.
+    monkeypatch.setattr(ql, "DOT_M_MAX", 32)
+    assert ql.plan_quant_linear(4, 8, w, (9, 0), 132).path == "splitk"
+    w128 = random_quant(8, 256, 4, 128, True, False, device=DEV)
+    assert ql.plan_quant_linear(4, 8, w128, (9, 0), 132).path == "dot"
+    assert ql.plan_quant_linear(4, 8, w128, (7, 0), 132).path != "dot"  # no tensor cores for it on cc 7.0

@@ -107,7 +107,10 @@ def test_real_configs_parse(raw, want):
     ({**CT_W4A16, "format": "int-quantized"}, "format"),
     ({**CT_W4A16, "format": "float-quantized"}, "group_0.format = 'pack-quantized'"),
     ({**CT_W4A16, "quantization_status": "initialized"}, "quantization_status"),
-    ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "kv_cache_scheme.type"),
+    ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": True}}, "kv_cache_scheme.dynamic"),
+    ({**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+     "kv_cache_scheme.strategy"),
     ({**CT_W4A16, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
     (_ct(num_bits=2), "num_bits"),
     (_ct(type="float"), "type"),
@@ -117,6 +120,7 @@ def test_real_configs_parse(raw, want):
     (_ct(mystery=1), "mystery"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_values_name_the_field(raw, field):
+    """(llm-compressor's FP8 per-tensor KV scheme is accepted: test_fp8_kv_cache_scheme_is_accepted.)"""
     with pytest.raises(ValueError, match=field):
         parse_quantization_config(raw)
 
@@ -208,3 +212,13 @@ def test_is_ignored():
     assert is_ignored(awq, "model.layers.0.mlp.gate")
     assert not is_ignored(awq, "model.layers.0.self_attn.q_proj")
     assert not is_ignored(parse_quantization_config(GPTQMODEL), "lm_head")
+
+
+def test_fp8_kv_cache_scheme_is_accepted(caplog):
+    # llm-compressor's FP8 KV-cache scheme: static per-tensor k_scale / v_scale that --kv-cache-dtype fp8 uses.
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+          "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    with caplog.at_level("INFO"):
+        cfg = parse_quantization_config({**CT_W4A16, "kv_cache_scheme": kv})
+    assert cfg.method == "compressed-tensors" and cfg.bits == 4
+    assert "--kv-cache-dtype fp8" in caplog.text

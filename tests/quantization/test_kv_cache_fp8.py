@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import save_tiny_hf_model
+from checkpoints import save_tiny_hf_model, write_quantized_checkpoint
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
@@ -107,6 +107,30 @@ def test_checkpoint_scales_set_each_layer_and_scale_the_stored_values(tiny_llama
     # whose plain cache rounds values below 2^-6 coarser (fp8 subnormals): equal within one fp8 step there.
     assert torch.equal(caches["scaled"][0], caches["plain"][0] * torch.tensor([16.0, 8.0]))
     torch.testing.assert_close(caches["scaled"][1], caches["plain"][1] * 4.0, rtol=0.125, atol=0)
+
+
+def test_compressed_tensors_kv_cache_scheme_scales_load(tiny_llama_dir, tmp_path):
+    # llm-compressor W4A16 + FP8 KV scheme: config.json's kv_cache_scheme and self_attn.k_scale / v_scale tensors.
+    import json
+
+    folder = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path / "ct"), "compressed-tensors", 4, 32)
+    config = json.load(open(f"{folder}/config.json"))
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    json.dump(config, open(f"{folder}/config.json", "w"))
+    path = f"{folder}/model.safetensors"
+    state = load_file(path)
+    state.update({f"model.layers.{i}.self_attn.{n}": torch.tensor(v) for i in range(2)
+                  for n, v in (("k_scale", 0.5), ("v_scale", 0.25))})
+    save_file(state, path)
+    llm = _tiny_llm(folder, kv_cache_memory_bytes="1M", kv_cache_dtype="fp8")
+    try:
+        assert [(m.self_attn.attn.k_scale, m.self_attn.attn.v_scale) for m in _runner(llm).model.model.layers] == \
+            [(0.5, 0.25), (0.5, 0.25)]
+        assert len(llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(max_tokens=2),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 2
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_bad_checkpoint_scale_is_one_sentence(tiny_llama_dir, tmp_path):

@@ -26,7 +26,7 @@ from tokenmill.config.configs import (
     SchedulerConfig,
     parse_size,
 )
-from tokenmill.dtypes import DTYPE_ALIASES, KV_CACHE_DTYPES, dtype_name, kv_cache_dtype
+from tokenmill.dtypes import DTYPE_ALIASES, KV_CACHE_DTYPES, dtype_name, kv_cache_dtype, normalize_kv_cache_dtype
 from tokenmill.model_loader.hf_config import load_generation_config, load_hf_config
 from tokenmill.model_loader.source import BUNDLED_MODEL_NAME, ModelSource, resolve_model_source
 from tokenmill.models.registry import get_supported_archs, resolve_model_cls
@@ -337,7 +337,7 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
     if window is not None:
         logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups; "
                     "--disable-hybrid-kv-cache-manager keeps one group, full-length KV on every layer)", window)
-    cache_dtype = str(args.kv_cache_dtype).lower()
+    cache_dtype = normalize_kv_cache_dtype(args.kv_cache_dtype)
     if cache_dtype != "auto":
         logger.info("KV cache dtype %s (%s): K and V stored in 8 bits, scaled per layer by the checkpoint's "
                     "k_scale / v_scale (1.0 where it has none)", cache_dtype, dtype_name(KV_CACHE_DTYPES[cache_dtype]))

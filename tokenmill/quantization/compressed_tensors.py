@@ -20,6 +20,8 @@ are unpacked along N into unsigned uint8 zeros.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tokenmill.kernels.quant_pack import unpack_along_last
@@ -51,6 +53,35 @@ _WEIGHT_FIELDS = {
 }
 
 
+logger = logging.getLogger(__name__)
+
+_KV_FIELDS = {"num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "block_structure",
+              "actorder", "observer", "observer_kwargs"}
+
+
+def _check_kv_cache_scheme(kv: object, source: str) -> None:
+    """Accept llm-compressor's FP8 KV-cache scheme (8-bit float, one static scale per tensor: the checkpoint's
+    `k_scale` / `v_scale`, which `--kv-cache-dtype fp8` uses), or none.
+
+    Raises:
+        ValueError: any other scheme, naming the field.
+    """
+    if not kv:
+        return
+    where = "kv_cache_scheme"
+    require(isinstance(kv, dict), source, where, kv, "an FP8 per-tensor scheme object or null")
+    check_fields(kv, source, _KV_FIELDS, where + ".")
+    require(kv.get("type") == "float" and kv.get("num_bits") == 8, source, where + ".type/num_bits",
+            (kv.get("type"), kv.get("num_bits")), "8-bit float (FP8) KV-cache scales")
+    require(kv.get("strategy") in (None, "tensor"), source, where + ".strategy", kv.get("strategy"),
+            "one scale per tensor (k_scale / v_scale per layer)")
+    require(not kv.get("dynamic"), source, where + ".dynamic", kv.get("dynamic"), "static scales stored in the "
+            "checkpoint")
+    require(kv.get("symmetric", True) is True, source, where + ".symmetric", kv.get("symmetric"), "symmetric")
+    logger.info("%s: the checkpoint carries FP8 KV-cache scales (kv_cache_scheme); --kv-cache-dtype fp8 stores the "
+                "KV cache in FP8 with them (a 16-bit cache ignores them)", source)
+
+
 def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfig:
     """Parse llm-compressor's `quantization_config` (`quant_method: compressed-tensors`).
 
@@ -74,7 +105,8 @@ def parse_compressed_tensors_config(raw: dict, source: str) -> QuantizationConfi
     status = raw.get("quantization_status", "compressed")
     require(status in ("compressed", "frozen"), source, "quantization_status", status,
             "only compressed checkpoints (packed weights) are read")
-    for key in ("kv_cache_scheme", "transform_config", "moe_sparsity_config"):
+    _check_kv_cache_scheme(raw.get("kv_cache_scheme"), source)
+    for key in ("transform_config", "moe_sparsity_config"):
         require(not raw.get(key), source, key, raw.get(key), "must be null")
     require(not raw.get("sparsity_config"), source, "sparsity_config", raw.get("sparsity_config"),
             "sparse checkpoints are not supported")

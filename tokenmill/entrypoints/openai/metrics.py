@@ -44,7 +44,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 # Status codes the server sends itself (errors.py, request_guard.py, auth.py, unbuilt_routes.py), created
 # at 0: a counter series that first appears at 1 loses that response in rate()/increase(), so without
 # this a pod's first 400 or 503 would never reach the dashboard's error panels.
-HTTP_STATUSES = (200, 400, 401, 404, 413, 415, 500, 501, 503)
+HTTP_STATUSES = (200, 400, 401, 404, 408, 413, 415, 500, 501, 503)
 
 
 def vllm_names_from_env() -> bool:

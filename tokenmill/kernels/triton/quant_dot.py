@@ -100,9 +100,12 @@ _CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
 def accumulate_dot_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr, s_ptr, z_ptr, offs_n64, n_mask, kt,
                         group_size, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
                         HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc^T [BLOCK_N, R] += W[offs_n, K tile kt] @ x[rows, K tile kt]^T: the tile's words dequantized by
-    `_dequant_words` (one group per tile), x gathered in the same nibble order (rows: int64 row indices of x,
-    any order, e.g. the fused-MoE's token rows). Shared by `quant_dot_kernel` and the int4 fused MoE."""
+    """acc^T [BLOCK_N, R] float32 += W[offs_n, columns kt * BLOCK_K ..] @ x[rows, same columns]^T.
+
+    kt is a K-tile index (not a column); the tile's words are dequantized by `_dequant_words` (one scale
+    group per tile: group_size a multiple of BLOCK_K) and x is gathered in the same nibble order. rows: int64
+    row indices of x [R], any order (e.g. the fused MoE's token rows), masked by row_mask; offs_n64 / n_mask
+    the output rows. Shared by `quant_dot_kernel` and the int4 fused MoE."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     p = tl.arange(0, BLOCK_K)
     x_col = (p // 8) * 8 + ((p % 8) // 2) + 4 * (p % 2)  # column of x that dequantized slot p multiplies

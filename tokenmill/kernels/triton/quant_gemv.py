@@ -165,12 +165,14 @@ def quant_gemv_kernel(
 
 
 def gemv_supported(act_order: bool, bits: int, group_size: int) -> bool:
-    """Whether `quant_gemv_kernel` takes a weight: no g_idx, and a group size that is -1 or a multiple of
-    the values per word (true of every checkpoint format tokenmill reads)."""
+    """Whether `quant_gemv_kernel` takes a weight: no g_idx (act_order False), and a group size (in K
+    columns) that is -1 or a multiple of the values per word, 32 // bits (true of every checkpoint format
+    tokenmill reads)."""
     return not act_order and (group_size == -1 or group_size % (32 // bits) == 0)
 
 
 def words_per_group(bits: int, group_size: int, in_features: int) -> int:
-    """Packed words per scale group (the whole row for group_size -1)."""
+    """Packed int32 words per scale group: group_size (K columns) // (32 // bits), or all ceil(in_features /
+    (32 // bits)) words of a row for group_size -1."""
     p = 32 // bits
     return triton.cdiv(in_features, p) if group_size == -1 else group_size // p

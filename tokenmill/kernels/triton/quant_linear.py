@@ -374,8 +374,7 @@ class QuantLinearPlan:
     """How `quant_linear` computes one call, and its launch settings.
 
     path: "gemv" (`quant_gemv_kernel`), "dot" (`quant_dot_kernel`), "splitk" / "tiled" (`quant_matmul_kernel`),
-    "cublas" (dequantize +
-    F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
+    "cublas" (dequantize + F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
     of K slices (float32 partials + `splitk_reduce_kernel` when > 1); use_dot False: float32 FMAs instead of
     tl.dot in `quant_matmul_kernel`. Pass one to `quant_linear(plan=...)` to override the planner (sweeps).
     """

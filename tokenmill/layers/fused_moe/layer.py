@@ -34,6 +34,7 @@ The CPU dequantizes them once, after loading.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -74,6 +75,11 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                                      w13_bias=w13_bias, w2_bias=w2_bias)
     return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
 
+
+
+logger = logging.getLogger(__name__)
+# One warning per process about FP8 experts (every FusedMoE layer of a model gets the same scheme).
+_FP8_EXPERTS_LOGGED = False
 
 class FusedMoE(nn.Module):
     """Top-k routed experts with gated MLPs.
@@ -172,6 +178,14 @@ class FusedMoE(nn.Module):
         self.quant = scheme
 
     def _quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        global _FP8_EXPERTS_LOGGED
+        if not _FP8_EXPERTS_LOGGED:
+            _FP8_EXPERTS_LOGGED = True
+            logger.warning("FP8 experts are kept in FP8 but dequantized to 16 bits, all of a layer's experts, on "
+                           "every forward (weight-only: %s), which costs a dense [E, N, K] copy per layer and step; "
+                           "an FP8 grouped GEMM is not built yet",
+                           "the checkpoint's activation scheme applies to the linear layers only"
+                           if scheme.activations else "as the checkpoint says")
         e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
         self.params_dtype = self.w13_weight.dtype
         parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),

@@ -67,7 +67,8 @@ class Mxfp4FusedMoE(FusedMoE):
         already [gate; up] (the model de-interleaves gpt-oss's rows first).
 
         Raises:
-            ValueError: a shape that does not fit.
+            ValueError: a shape that does not fit; on CUDA, scale bytes the GPU kernels cannot decode
+                (`check_gpu_scale_bytes`).
         """
         i_p, rank = self.intermediate_size_per_partition, self.tp_rank
         if param is self.w13_blocks or param is self.w13_scales:
@@ -80,6 +81,8 @@ class Mxfp4FusedMoE(FusedMoE):
         if loaded.shape != param.shape:
             raise ValueError(f"MXFP4 expert tensor of shape {tuple(loaded.shape)} (this rank's part) does not fit "
                              f"parameter of shape {tuple(param.shape)}.")
+        if param.is_cuda and (param is self.w13_scales or param is self.w2_scales):
+            check_gpu_scale_bytes("w13_scales" if param is self.w13_scales else "w2_scales", loaded)
         param.data.copy_(loaded)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +108,21 @@ class Mxfp4FusedMoE(FusedMoE):
 
 
 @torch.no_grad()
+def check_gpu_scale_bytes(name: str, scales: torch.Tensor) -> None:
+    """Refuse E8M0 scale bytes (uint8, any shape) that the GPU kernels cannot decode: they build 2^(e - 127)
+    from bits (`kernels/triton/fused_moe_mxfp4.py`), exact for bytes 2..252; 255 is NaN in the OCP MX spec.
+
+    Raises:
+        ValueError: a byte outside 2..252, naming the tensor and the range found.
+    """
+    if not scales.numel():
+        return
+    lo, hi = int(scales.min()), int(scales.max())
+    if lo < 2 or hi > 252:
+        raise ValueError(f"MXFP4 {name} holds E8M0 scale bytes {lo}..{hi}; the GPU kernels take 2..252 "
+                         f"(2^-125 .. 2^125; 255 is NaN), so this checkpoint cannot run on the GPU.")
+
+
 def _dummy_init(param: nn.Parameter, seed: int) -> None:
     """Dummy MXFP4: uniform random codes (blocks), scale 2^-8 (scales)."""
     if param.dim() == 4:
