@@ -75,7 +75,9 @@ def test_quantization_methods_per_device(capsys):
     volta, pascal = (env.describe_gpu(0, "GPU", 16 * 2**30, cc, arch_list=["sm_60", "sm_70", "sm_90"],
                                       force_cc70=False, triton_available=True, flash_attn_available=False)
                      for cc in ((7, 0), (6, 1)))
-    assert all("split-K" in row["kernel"] for row in volta["quantization"].values())
+    int_rows = [row["kernel"] for m, row in volta["quantization"].items() if m != "fp8"]
+    assert int_rows and all("FMA GEMV (M = 1)" in k and "cuBLAS float16" in k for k in int_rows)
+    assert "split-K" in volta["quantization"]["fp8"]["kernel"]
     assert "bit decoding" in volta["quantization"]["fp8"]["kernel"]
     assert all(row["kernel"].startswith("refused") for row in pascal["quantization"].values())
     assert env.main([]) == 0
