@@ -115,7 +115,8 @@ class EngineArgs:
                             "--gpu-memory-utilization).")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="Fix the number of KV blocks (any device; for tests).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                       help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache).")
+                       help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache); GPUs "
+                            "only: on CPU the KV cache is sized by --kv-cache-memory-bytes or its default.")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="Reuse KV blocks of repeated prompt prefixes (default on).")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

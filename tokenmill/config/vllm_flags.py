@@ -89,13 +89,14 @@ FLAGS: tuple[FlagInfo, ...] = (
        ("--chat-template", "{{ messages[0]['content'] }}")),
     # --- cache ---
     _i("--block-size", "Tokens per KV-cache block.", ("--block-size", "32")),
-    _i("--kv-cache-dtype", "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: K and V stored in 8 bits (about "
-       "2x the tokens), scaled per layer by the checkpoint's k_scale / v_scale (1.0 without them); every device "
-       "and backend (docs/quantization.md).", ("--kv-cache-dtype", "fp8")),
-    _i("--kv-cache-memory-bytes", "KV cache size (CPU default 4 GiB; on GPU overrides --gpu-memory-utilization).",
-       ("--kv-cache-memory-bytes", "1G")),
+    _i("--kv-cache-dtype", "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: K and V stored in 8 bits (2x "
+       "the tokens of a 16-bit cache, 4x float32's), scaled per layer by the checkpoint's k_scale / v_scale "
+       "(1.0 without them); every device and backend (docs/quantization.md).", ("--kv-cache-dtype", "fp8")),
+    _i("--kv-cache-memory-bytes", "KV cache size (CPU default 0.4 x available memory, at most 16 GiB; on GPU "
+       "overrides --gpu-memory-utilization).", ("--kv-cache-memory-bytes", "1G")),
     _i("--num-gpu-blocks-override", "Fix the number of KV blocks.", ("--num-gpu-blocks-override", "64")),
-    _i("--gpu-memory-utilization", "Fraction of GPU memory tokenmill may use.", ("--gpu-memory-utilization", "0.5")),
+    _i("--gpu-memory-utilization", "Fraction of GPU memory tokenmill may use (GPUs only: on CPU the KV cache "
+       "is sized by --kv-cache-memory-bytes or its default).", ("--gpu-memory-utilization", "0.5")),
     _i("--enable-prefix-caching", "Reuse KV blocks of repeated prefixes (default on; --no-enable-prefix-caching).",
        ("--no-enable-prefix-caching",)),
     _i("--disable-hybrid-kv-cache-manager", "One KV group even for half-sliding-window models (gpt-oss): full-length "
