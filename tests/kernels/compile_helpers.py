@@ -13,14 +13,49 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def compile_in_subprocess(script: str, timeout: int = 600) -> list[dict]:
     """Run `script` in a fresh Python without TRITON_INTERPRET (so triton.compile lowers to PTX / cubins),
-    with this checkout first on PYTHONPATH; returns the JSON list its last stdout line prints.
+    with this checkout and this folder (so the script can import `compile_with_ptxas`) first on PYTHONPATH;
+    returns the JSON list its last stdout line prints.
 
     Raises:
         AssertionError: the script failed (the tail of its stderr is the message).
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", script], env=env, check=False, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], constexprs: dict, warps: int,
+                       stages: int, ptx_marker: str | None = None) -> dict:
+    """Compile `kernel` for sm_<cc> (arguments not in `pointers` / `constexprs` are i32) and run the triton
+    wheel's `ptxas -v` on its PTX; call it inside `compile_in_subprocess` (no TRITON_INTERPRET).
+
+    Returns: dict(kernel=name, cc, ptx_target (the PTX .target list), cubin_bytes, shared (bytes per block),
+    registers (per thread), spill_bytes), plus ptx_has_marker (bool) when `ptx_marker` is given.
+    """
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    sig = {n: pointers.get(n, "i32") for n in kernel.arg_names}
+    sig.update({n: "constexpr" for n in constexprs})
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = k.asm["ptx"]
+    target = [line.split()[1] for line in ptx.splitlines() if line.startswith(".target")]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={target[0]}", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    out = dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
+               registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+               spill_bytes=sum(int(b) for b in re.findall(r"(\d+) bytes spill", log)))
+    if ptx_marker is not None:
+        out["ptx_has_marker"] = ptx_marker in ptx
+    return out

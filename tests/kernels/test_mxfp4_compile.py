@@ -19,32 +19,18 @@ from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
-    import json, re, subprocess, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
+    import json
+    from compile_helpers import compile_with_ptxas
     from tokenmill.kernels.triton import fused_moe_mxfp4 as mx
-
-    K = mx.grouped_mxfp4_gemm_kernel
 
     def compile_one(name, cc, act, out, cx, warps, stages):
         ptrs = {"a_ptr": act, "wb_ptr": "*u8", "ws_ptr": "*u8", "bias_ptr": act, "c_ptr": out,
                 "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
                 "num_pairs_post_padded_ptr": "*i32"}
-        sig = {n: ptrs.get(n, "i32") for n in K.arg_names}
-        sig.update({n: "constexpr" for n in cx})
-        k = triton.compile(triton.compiler.ASTSource(fn=K, signature=sig, constexprs=cx),
-                           target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
-        target = [l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
-            f.flush()
-            log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={target[0]}", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True, check=True).stderr
-        return dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
-                    registers=int(re.search(r"Used (\\d+) registers", log).group(1)),
-                    spill_bytes=sum(int(b) for b in re.findall(r"(\\d+) bytes spill", log)),
-                    asm_decode="fma.rn.bf16x2" in k.asm["ptx"])
+        r = compile_with_ptxas(name, mx.grouped_mxfp4_gemm_kernel, cc, ptrs, cx, warps, stages,
+                               ptx_marker="fma.rn.bf16x2")
+        r["asm_decode"] = r.pop("ptx_has_marker")
+        return r
 
     def cx(**kw):
         base = dict(TOP_K_DIV=4, MUL_ROUTED_WEIGHT=False, HAS_BIAS=True, DECODE=mx.DECODE_FP32_BITS, PREFETCH=False,

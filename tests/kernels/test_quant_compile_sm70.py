@@ -20,31 +20,13 @@ from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
-    import json, re, subprocess, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
+    import json
+    from compile_helpers import compile_with_ptxas as compile_one
     from tokenmill.kernels.triton.quant_linear import dequantize_kernel, quant_matmul_kernel
     from tokenmill.kernels.triton.quant_gemv import quant_gemv_kernel
     from tokenmill.kernels.triton.quant_dot import quant_dot_kernel
     from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fused_moe_quant import grouped_quant_gemm_kernel
-
-    def compile_one(name, kernel, cc, ptrs, cx, warps, stages):
-        sig = {n: ptrs.get(n, "i32") for n in kernel.arg_names}
-        sig.update({n: "constexpr" for n in cx})
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=cx)
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
-        target = [l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")]
-        # ptxas -v on the same PTX: registers and spills of the launch configuration.
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
-            f.flush()
-            log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={target[0]}", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True, check=True).stderr
-        return dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
-                    registers=int(re.search(r"Used (\\d+) registers", log).group(1)),
-                    spill_bytes=sum(int(b) for b in re.findall(r"(\\d+) bytes spill", log)))
 
     def mm_ptrs(act, out):
         return {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "z_ptr": "*u8", "g_ptr": "*i32", "bias_ptr": act, "out_ptr": out}
