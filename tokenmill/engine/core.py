@@ -47,7 +47,8 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     The formula is `worker.kv_cache.kv_bytes_per_block`, over the unsplit model
     (every layer, every KV head). Raises ValueError for an unknown dtype name.
     """
-    from tokenmill.worker.kv_cache import kv_bytes_per_block, kv_storage_dtype
+    from tokenmill.dtypes import kv_cache_dtype
+    from tokenmill.worker.kv_cache import kv_bytes_per_block
 
     mc = engine_config.model_config
     hf = mc.hf_config
@@ -57,7 +58,7 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     num_layers = int(getattr(hf, "num_hidden_layers", 1))
     if engine_config.cache_config.sliding_window_group is not None:
         num_layers //= 2  # the two groups' layers share tensors pairwise (worker/kv_cache.py)
-    kv_dtype = kv_storage_dtype(engine_config.cache_config.cache_dtype, mc.dtype)
+    kv_dtype = kv_cache_dtype(engine_config.cache_config.cache_dtype, mc.dtype)
     return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, kv_dtype)
 
 
@@ -110,11 +111,12 @@ class EngineCore:
 
     def _log_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         from tokenmill.dtypes import dtype_name
-        from tokenmill.worker.kv_cache import blocks_per_sequence, kv_storage_dtype
+        from tokenmill.dtypes import kv_cache_dtype
+        from tokenmill.worker.kv_cache import blocks_per_sequence
 
         tokens = num_blocks * block_size
         gib = num_blocks * kv_cache_bytes_per_block(self.engine_config) / 2**30
-        kv_dtype = dtype_name(kv_storage_dtype(self.engine_config.cache_config.cache_dtype,
+        kv_dtype = dtype_name(kv_cache_dtype(self.engine_config.cache_config.cache_dtype,
                                                self.engine_config.model_config.dtype))
         window = self.engine_config.cache_config.sliding_window_group
         if window is not None:

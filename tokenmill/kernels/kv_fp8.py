@@ -21,6 +21,22 @@ import torch
 from tokenmill.dtypes import FP8_MAX, is_fp8
 
 
+
+# The kernels' code for a KV cache's storage (the Triton kernels' KV_FP8 constexpr, the C kernel's KV_FMT):
+# 0 = the cache is in the query's dtype, 1 = e4m3fn codes, 2 = e5m2 codes.
+_KV_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def kv_fp8_code(dtype: torch.dtype) -> int:
+    """The kernels' code of a KV cache of `dtype`: 0 (16/32-bit), 1 (e4m3fn) or 2 (e5m2)."""
+    return _KV_FP8_CODES.get(dtype, 0)
+
+
+def kv_unit(dtype: torch.dtype) -> float:
+    """What the kernels' decoded KV values are to be multiplied by: 256 for e4m3 (the integer decode yields
+    value / 256, `kernels/triton/fp8_quant.e4m3_to_f16_div256` and decode_attention.c), else 1."""
+    return 256.0 if dtype == torch.float8_e4m3fn else 1.0
+
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x / scale rounded to the fp8 `dtype` (saturating), any shape -> same shape in `dtype`.
 

@@ -26,11 +26,11 @@ import re
 
 import torch
 
+from tokenmill.kernels.fp8 import FP8_DTYPE
 from tokenmill.quantization.config import QuantizationConfig, bad_tensor, check_fields, require, substring_pattern
 
 logger = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
 SUFFIXES = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
             "input_scale": "input_scale"}
 ACTIVATION_SCHEMES = ("dynamic", "static")

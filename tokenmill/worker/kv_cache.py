@@ -1,7 +1,7 @@
 """KV cache shape, size and allocation (the physical side of PagedAttention).
 
 One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 = keys, 1 = values), in the KV cache dtype (`kv_cache_dtype`: the
+(index 0 = keys, 1 = values), in the KV cache dtype (`dtypes.kv_cache_dtype`: the
 model dtype, or fp8 with `--kv-cache-dtype fp8*`, one byte per element, so
 the same memory holds twice a 16-bit cache's blocks). With a sliding-window
 group (`sliding_window_group`: half the layers full attention, half a
@@ -11,8 +11,8 @@ time (core/kv_cache_manager.py hands them out), and a block costs half the
 layers' bytes, so the same memory holds twice the blocks while
 sliding-window layers keep only the window's blocks of each request.
 
-The one size formula (`kv_bytes_per_block`), the one KV dtype rule (`kv_cache_dtype`) and the one "does a
-max_model_len sequence fit" check (`check_max_model_len_fits`) live here.
+The one size formula (`kv_bytes_per_block`) and the one "does a max_model_len sequence fit" check
+(`check_max_model_len_fits`) live here; the KV dtype rule is `dtypes.kv_cache_dtype`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.dtypes import dtype_bytes, kv_cache_dtype
+from tokenmill.dtypes import dtype_bytes
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -33,15 +33,6 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     dtype: a torch dtype or a name (`dtypes.dtype_bytes`; fp8 is 1 byte). Raises ValueError on an unknown name.
     """
     return 2 * block_size * num_kv_heads * head_dim * dtype_bytes(dtype) * num_layers
-
-
-def kv_storage_dtype(cache_dtype: str, model_dtype: torch.dtype | str) -> torch.dtype:
-    """The dtype KV tensors are stored in: `--kv-cache-dtype` (CacheConfig.cache_dtype) resolved against the
-    model dtype ("auto" -> the model dtype, fp8 / fp8_e4m3 -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2).
-
-    Raises ValueError on an unknown name (`dtypes.kv_cache_dtype`).
-    """
-    return kv_cache_dtype(cache_dtype, model_dtype)
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int, window: int | None = None,
@@ -123,7 +114,7 @@ class KVCacheSpec:
     num_kv_heads: int  # on this tensor-parallel rank
     head_dim: int
     block_size: int
-    dtype: torch.dtype  # storage dtype of the KV tensors (`kv_storage_dtype`): the model dtype or fp8
+    dtype: torch.dtype  # storage dtype of the KV tensors (`dtypes.kv_cache_dtype`): the model dtype or fp8
     first_layer: int = 0  # global index of this stage's first layer (pipeline parallelism)
     # With a sliding-window group: global indices of the full-attention and the sliding-window layers (equal
     # counts); the k-th of each share one tensor. Empty: one group, one tensor per layer.

@@ -23,7 +23,7 @@ from tokenmill.config.configs import EngineConfig, kv_memory_hint
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import parallel_state as ps
 from tokenmill.distributed.pp_comm import broadcast_sampled_token_ids, recv_intermediate, send_intermediate
-from tokenmill.dtypes import dtype_name, is_fp8, parse_dtype
+from tokenmill.dtypes import dtype_name, is_fp8, kv_cache_dtype, parse_dtype
 from tokenmill.platforms.memory import default_cpu_kv_cache_bytes
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
@@ -34,7 +34,6 @@ from tokenmill.worker.kv_cache import (
     allocate_kv_caches,
     check_max_model_len_fits,
     kv_cache_spec,
-    kv_storage_dtype,
 )
 from tokenmill.worker.prompt_logprobs import PromptLogprobsCollector
 
@@ -56,7 +55,7 @@ class ModelRunner:
         # Heads and layers of this rank come from the initialized process groups (uneven splits included).
         override = None if tp_size == ps.get_tensor_model_parallel_world_size() else tp_size
         self.window_group = cc.sliding_window_group  # two KV groups (worker/kv_cache.py) when set
-        self.kv_dtype = kv_storage_dtype(cc.cache_dtype, self.dtype)  # the model dtype, or fp8
+        self.kv_dtype = kv_cache_dtype(cc.cache_dtype, self.dtype)  # the model dtype, or fp8
         self.spec: KVCacheSpec = kv_cache_spec(mc.hf_config, cc.block_size, self.kv_dtype, override,
                                                two_groups=self.window_group is not None)
         self.attn_backend = get_attn_backend(device.type, engine_config.device_config.attention_backend)

@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.dtypes import is_fp8
 from tokenmill.kernels.cpu.build import load_library
+from tokenmill.kernels.kv_fp8 import kv_fp8_code, kv_unit
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")
 # The kernel's limits (MAX_GROUP, MAX_HEAD_DIM in the C source); other models keep the PyTorch path.
@@ -46,10 +47,6 @@ def _configure(lib: ctypes.CDLL) -> None:
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled library (built on the first call, see `build.py`); None when unavailable."""
     return load_library(_SOURCE, _configure)
-
-
-# KV_FMT of the C source: 0 = the cache is in the query's dtype, 1 = e4m3fn codes, 2 = e5m2 codes.
-_KV_FMT = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def kernel_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -115,8 +112,8 @@ def paged_decode_attention(
     if table.stride(1) != 1:
         table = table.contiguous()
     req_idx, q_rows, seq_lens = (t.to(torch.int64).contiguous() for t in (req_idx, q_rows, seq_lens))
-    kv_fmt = _KV_FMT.get(kv_cache.dtype, 0)
-    unit = 256.0 if kv_fmt == 1 else 1.0  # e4m3 codes decode to value / 256 (decode_attention.c)
+    kv_fmt = kv_fp8_code(kv_cache.dtype)  # the C source's KV_FMT
+    unit = kv_unit(kv_cache.dtype)
     rc = lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
         out.stride(0), table.data_ptr(), table.stride(0), req_idx.data_ptr(), q_rows.data_ptr(),

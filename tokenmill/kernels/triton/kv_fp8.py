@@ -22,19 +22,6 @@ import triton.language as tl
 from tokenmill.dtypes import is_fp8
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, f32_to_e4m3_bits
 
-_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-
-
-def kv_fp8_code(dtype: torch.dtype) -> int:
-    """The `KV_FP8` constexpr of a KV cache of `dtype`: 0 (16/32-bit), 1 (e4m3fn) or 2 (e5m2)."""
-    return _CODES.get(dtype, 0)
-
-
-def kv_unit(dtype: torch.dtype) -> float:
-    """What the decoded values are to be multiplied by: 256 for e4m3 (decoded as value / 256), else 1."""
-    return 256.0 if dtype == torch.float8_e4m3fn else 1.0
-
-
 def kv_cache_arg(kv_cache: torch.Tensor) -> torch.Tensor:
     """The tensor a kernel takes for `kv_cache`: the uint8 bits of an fp8 cache (a view), else the cache."""
     return kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache

@@ -66,7 +66,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
-from tokenmill.kernels.triton.kv_fp8 import decode_kv, kv_cache_arg, kv_fp8_code, kv_unit
+from tokenmill.kernels.kv_fp8 import kv_fp8_code, kv_unit
+from tokenmill.kernels.triton.kv_fp8 import decode_kv, kv_cache_arg
 from tokenmill.kernels.triton.merge_splits import merge_splits
 
 

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.kv_fp8 import encode_kv, kv_cache_arg, kv_fp8_code
+from tokenmill.kernels.kv_fp8 import kv_fp8_code
+from tokenmill.kernels.triton.kv_fp8 import encode_kv, kv_cache_arg
 
 
 @triton.jit
