@@ -30,6 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quantization"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 LOGIT_TOL = 1e-3  # float32 layers against the float32 reference: only the summation order differs
+# Greedy near-tie gap (HF's top-2 logits) under which a divergence is allowed. Weight-only: float32 summation
+# order only. W8A8: the engine and transformers quantize activations that differ in the last float32 bits, so
+# a value on an e4m3 rounding boundary can take the neighbouring code (a 1/16 to 1/8 step of that value)
+# in one and not the other; in this tiny model one such flip moves a logit by up to a few 1e-2.
+TIE_TOL_W8A8 = 5e-2
 
 
 def _w8a8_here() -> bool:
@@ -55,6 +60,9 @@ def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
 
     from tokenmill.model_loader import get_model
 
+    if layout == "ct-fp8-dynamic":
+        pytest.importorskip("compressed_tensors", reason="the checkpoint is written by compressed-tensors' own "
+                            "compressor; the GPU image lacks it (benchmarks/gpu/suite.sh installs carried wheels)")
     folder = write_fp8_checkpoint(tiny_llama, str(tmp_path / layout), layout)
     cfg = EngineArgs(model=folder, dtype="float32", skip_tokenizer_init=True, device="cuda").create_engine_config()
     model = get_model(cfg.model_config, "cuda", "float32")
@@ -88,13 +96,20 @@ def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
     finally:
         llm.llm_engine.shutdown()
     for out, (ref_tokens, ref_logits) in zip(outs, refs):
-        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits)
+        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
+                                    tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)
         assert ok, f"{layout}: {msg}"
 
 
 def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
     """--load-format dummy --quantization fp8 on a bfloat16 Llama config: FP8 weights on the GPU, the start-up
-    line reports their bytes, and every layer equals the FP8 reference of its own weights."""
+    line reports their bytes, and every layer equals the FP8 reference of its own weights (float16 activations
+    on the cc-7.0 path, which has no bfloat16: TOKENMILL_FORCE_CC70=1)."""
+    from tokenmill.kernels.triton.splitk import device_facts
+
+    dtype = torch.bfloat16 if device_facts(torch.device("cuda", torch.cuda.current_device()))[0] >= (8, 0) \
+        else torch.float16
+    name = str(dtype).split(".")[-1]
     from transformers import LlamaConfig
 
     from tokenmill.model_loader import get_model
@@ -104,9 +119,9 @@ def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
                          architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
     config.save_pretrained(tmp_path)
     cfg = EngineArgs(model=str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
-                     device="cuda", dtype="bfloat16").create_engine_config()
+                     device="cuda", dtype=name).create_engine_config()
     with caplog.at_level(logging.INFO, logger="tokenmill.model_loader.loader"):
-        model = get_model(cfg.model_config, "cuda", "bfloat16")
+        model = get_model(cfg.model_config, "cuda", name)
     assert "fp8 e4m3 channel W8A8 dynamic, quantized at load" in caplog.text
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.quant is not None]
     assert len(layers) == 4 * 2
@@ -114,13 +129,13 @@ def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
     for layer in layers:
         assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
         for m in (1, 40, 2048):
-            x = torch.randn(m, layer.input_shard.size, device="cuda", generator=g, dtype=torch.bfloat16)
+            x = torch.randn(m, layer.input_shard.size, device="cuda", generator=g, dtype=dtype)
             ref = fp8_linear_reference(x.cpu(), Fp8Weight(layer.weight.cpu(), layer.weight_scale.cpu()),
                                        None, _w8a8_here()).float()
             err = ((layer(x).float().cpu() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 2e-2, f"M={m}: rel err {err:.2e}"  # bfloat16 outputs (8 bits of mantissa)
+            assert err < 2e-2, f"M={m}: rel err {err:.2e}"  # 16-bit outputs (bfloat16: 8 bits of mantissa)
     llm = LLM(str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True, max_model_len=256,
-              gpu_memory_utilization=0.3, dtype="bfloat16")
+              gpu_memory_utilization=0.3, dtype=name)
     try:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.0),
                            use_tqdm=False)
