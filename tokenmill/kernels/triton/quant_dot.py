@@ -4,8 +4,10 @@ The weight is in tokenmill's layout (`kernels/quant_pack.py`): `qweight` int32 [
 (value j of word w is column 8 w + j, bits 4 j .. 4 j + 3), per-group `scales` / `qzeros` [N, ngroups].
 
 Decode is bound by how fast the 4-bit weights become MMA operands, so the dequantization is a handful of
-packed 16-bit instructions per word, written in PTX (`tl.inline_asm_elementwise`, pack = 8: one word in,
-its eight 16-bit values out in four registers):
+packed 16-bit instructions per word, written in PTX (`tl.inline_asm_elementwise` over the words, pack = 1:
+one word in, its eight 16-bit values out as eight outputs; an earlier pack = 8 form over a [.., 8]
+broadcast of the words assumed each thread held a word's eight slots in order, which Triton's layouts do
+not promise, and gave wrong values on the H200):
 
     lop3(w >> 4 j, 0x000F000F, MAGIC)      two values per instruction: nibbles j and j + 4 land in the two
                                            halves' mantissas under the exponent of 128 (bf16, 0x4300) or
@@ -13,8 +15,9 @@ its eight 16-bit values out in four registers):
     fma.rn.{bf16,f16}x2(v, 1, -(MAGIC + z)) = q - z, exact (small integers)
     fma.rn.{bf16,f16}x2(., s, -0)            = (q - z) * s rounded once, as `quant_pack.dequantize` rounds
 
-(the "magic number" int->float conversion; Marlin and FasterTransformer use the fp16 form). Each word's
-values come out in the order nibble 0, 4, 1, 5, 2, 6, 3, 7, so x is gathered in that same order along K
+(the "magic number" int->float conversion; Marlin and FasterTransformer use the fp16 form). Joined into the
+tile, each word's values sit in the nibble order 0, 2, 1, 3, 4, 6, 5, 7 (`slot_nibble`), so x is gathered in
+that same order along K
 (a dot product does not care about the order of K, only that both sides agree). The dequantized
 [BLOCK_N, BLOCK_K] tile is the A operand of one tl.dot against x^T [BLOCK_K, BLOCK_M] ("swap AB": the few
 rows of x pad the MMA's N side, 16 at least), accumulated in float32.
@@ -36,21 +39,25 @@ _ASM_BF16 = """{
 .reg .b32 v0, v1, v2, v3, w1, w2, w3, one, nz;
 mov.b32 one, 0x3F803F80;
 mov.b32 nz, 0x80008000;
-lop3.b32 v0, $4, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w1, $4, 4;
+lop3.b32 v0, $8, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w1, $8, 4;
 lop3.b32 v1, w1, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w2, $4, 8;
+shr.u32 w2, $8, 8;
 lop3.b32 v2, w2, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w3, $4, 12;
+shr.u32 w3, $8, 12;
 lop3.b32 v3, w3, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 v0, v0, one, $12;
-fma.rn.bf16x2 v1, v1, one, $12;
-fma.rn.bf16x2 v2, v2, one, $12;
-fma.rn.bf16x2 v3, v3, one, $12;
-fma.rn.bf16x2 $0, v0, $20, nz;
-fma.rn.bf16x2 $1, v1, $20, nz;
-fma.rn.bf16x2 $2, v2, $20, nz;
-fma.rn.bf16x2 $3, v3, $20, nz;
+fma.rn.bf16x2 v0, v0, one, $9;
+fma.rn.bf16x2 v1, v1, one, $9;
+fma.rn.bf16x2 v2, v2, one, $9;
+fma.rn.bf16x2 v3, v3, one, $9;
+fma.rn.bf16x2 v0, v0, $10, nz;
+fma.rn.bf16x2 v1, v1, $10, nz;
+fma.rn.bf16x2 v2, v2, $10, nz;
+fma.rn.bf16x2 v3, v3, $10, nz;
+mov.b32 {$0, $1}, v0;
+mov.b32 {$2, $3}, v1;
+mov.b32 {$4, $5}, v2;
+mov.b32 {$6, $7}, v3;
 }"""
 
 _ASM_FP16 = (_ASM_BF16.replace("0x43004300", "0x64006400").replace("0x3F803F80", "0x3C003C00")
@@ -58,42 +65,66 @@ _ASM_FP16 = (_ASM_BF16.replace("0x43004300", "0x64006400").replace("0x3F803F80",
 
 
 @triton.jit
+def _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Eight [BLOCK_N, BLOCK_KW] tensors -> [BLOCK_N, BLOCK_KW * 8], word w's eight values at columns 8 w ..
+    8 w + 7 in the order o0, o4, o2, o6, o1, o5, o3, o7 (what three levels of tl.join give: the joins only
+    relabel registers; `slot_nibble` says which nibble each column holds)."""
+    q0 = tl.join(tl.join(o0, o1), tl.join(o2, o3))
+    q1 = tl.join(tl.join(o4, o5), tl.join(o6, o7))
+    return tl.reshape(tl.join(q0, q1), (BLOCK_N, BLOCK_KW * 8))
+
+
+@triton.jit
+def slot_nibble(f):
+    """The nibble of its word that column f % 8 of `_dequant_words`' tile holds: output k of the PTX (or of the
+    plain path) is nibble k // 2 + 4 (k % 2), and `_interleave8` puts output a + 2 b + 4 c at column 4 a + 2 b
+    + c, so column f holds nibble b + 2 c + 4 a with a = f // 4, b = f // 2 % 2, c = f % 2: 0 2 1 3 4 6 5 7."""
+    f = f % 8
+    return (f // 2) % 2 + 2 * (f % 2) + 4 * (f // 4)
+
+
+@triton.jit
 def _dequant_words(words, s, z, OUT_DTYPE: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_KW: tl.constexpr):
-    """[BLOCK_N, BLOCK_KW * 8] values (q - z) * s in OUT_DTYPE of int32 words [BLOCK_N, BLOCK_KW], each word's
-    values in nibble order 0, 4, 1, 5, 2, 6, 3, 7; s [BLOCK_N, 1] float32, z [BLOCK_N, 1] float32 (8 when the
-    weight is symmetric)."""
-    slot = tl.arange(0, 8)
-    nib = (slot // 2) + 4 * (slot % 2)  # the nibble each output slot holds
-    words3 = tl.broadcast_to(words[:, :, None], (BLOCK_N, BLOCK_KW, 8))
+    """[BLOCK_N, BLOCK_KW * 8] values (q - z) * s in OUT_DTYPE of int32 words [BLOCK_N, BLOCK_KW], column f of
+    each word's eight holding nibble `slot_nibble(f)`; s [BLOCK_N, 1] float32, z [BLOCK_N, 1] float32 (8 when
+    the weight is symmetric).
+
+    The PTX runs once per word (pack = 1: an elementwise op over the words, so it does not depend on how
+    Triton lays the tensor out over threads) and returns the word's eight values as eight 16-bit outputs."""
     if ASM:
         if OUT_DTYPE == tl.bfloat16:
             magic = 128.0
         else:
             magic = 1024.0
         negc = (-(magic + z)).to(OUT_DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        negc2 = negc | (negc << 16)
         sb = s.to(OUT_DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s2 = sb | (sb << 16)
-        negc3 = tl.broadcast_to(negc2[:, :, None], (BLOCK_N, BLOCK_KW, 8))
-        s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, BLOCK_KW, 8))
+        negc2 = tl.broadcast_to(negc | (negc << 16), (BLOCK_N, BLOCK_KW))
+        s2 = tl.broadcast_to(sb | (sb << 16), (BLOCK_N, BLOCK_KW))
         if OUT_DTYPE == tl.bfloat16:
-            w3 = tl.inline_asm_elementwise(_ASM_BF16_C, _CONSTRAINTS,
-                                           [words3, negc3, s3], dtype=tl.bfloat16, is_pure=True, pack=8)
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _ASM_BF16_C, _CONSTRAINTS, [words, negc2, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            w3 = tl.inline_asm_elementwise(_ASM_FP16_C, _CONSTRAINTS,
-                                           [words3, negc3, s3], dtype=tl.float16, is_pure=True, pack=8)
-    else:
-        q = ((words3 >> (4 * nib)[None, None, :]) & 0xF).to(tl.float32)
-        w3 = ((q - z[:, :, None]) * s[:, :, None]).to(OUT_DTYPE)
-    return tl.reshape(w3, (BLOCK_N, BLOCK_KW * 8))
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _ASM_FP16_C, _CONSTRAINTS, [words, negc2, s2], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:  # output k is nibble k // 2 + 4 (k % 2), as the PTX's
+        o0 = (((words >> 0) & 0xF).to(tl.float32) - z) * s
+        o1 = (((words >> 16) & 0xF).to(tl.float32) - z) * s
+        o2 = (((words >> 4) & 0xF).to(tl.float32) - z) * s
+        o3 = (((words >> 20) & 0xF).to(tl.float32) - z) * s
+        o4 = (((words >> 8) & 0xF).to(tl.float32) - z) * s
+        o5 = (((words >> 24) & 0xF).to(tl.float32) - z) * s
+        o6 = (((words >> 12) & 0xF).to(tl.float32) - z) * s
+        o7 = (((words >> 28) & 0xF).to(tl.float32) - z) * s
+        o0, o1, o2, o3 = o0.to(OUT_DTYPE), o1.to(OUT_DTYPE), o2.to(OUT_DTYPE), o3.to(OUT_DTYPE)
+        o4, o5, o6, o7 = o4.to(OUT_DTYPE), o5.to(OUT_DTYPE), o6.to(OUT_DTYPE), o7.to(OUT_DTYPE)
+    return _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N, BLOCK_KW)
 
 
 _ASM_BF16_C: tl.constexpr = tl.constexpr(_ASM_BF16)
 _ASM_FP16_C: tl.constexpr = tl.constexpr(_ASM_FP16)
-# Four packed outputs (eight 16-bit values), then eight registers per input (pack = 8; only the first is read:
-# the eight elements of an input share one word / one scale).
-_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+# Eight 16-bit outputs (one word's values), then the word, the packed -(magic + z) pair and the packed scale pair.
+_CONSTRAINTS: tl.constexpr = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
 
 
 @triton.jit
@@ -108,7 +139,7 @@ def accumulate_dot_tile(acc, x_ptr, rows, row_mask, stride_xm, stride_xk, qw_ptr
     the output rows. Shared by `quant_dot_kernel` and the int4 fused MoE."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     p = tl.arange(0, BLOCK_K)
-    x_col = (p // 8) * 8 + ((p % 8) // 2) + 4 * (p % 2)  # column of x that dequantized slot p multiplies
+    x_col = (p // 8) * 8 + slot_nibble(p)  # column of x that dequantized slot p multiplies
     offs_w = kt * BLOCK_KW + tl.arange(0, BLOCK_KW)
     words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
                     mask=n_mask[:, None], other=0)
