@@ -42,10 +42,17 @@
 #   ossoffline-20b, ossoffline-120b  offline, 1000 prompts in/out U[100, 1024], no transformers baseline
 #   osscc70-20b, osstpot-cc70-20b  gpt-oss-20b offline / tpot on the cc-7.0 path (fp16)
 #   (gpt-oss-120b's tpot/offline need ~63 GB of weights loaded: give them part:seconds headroom)
+# Python packages the GPU image lacks (compressed-tensors and pydantic for the FP8 checkpoint tests) travel as
+# wheels in .whl/ (the device README's pip download line; .whl/ is git-ignored); they are installed into
+# /tmp/site and put on PYTHONPATH when present.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
 unset TRITON_INTERPRET
 COMMIT=${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 LIMIT=${PART_TIMEOUT:-560}
