@@ -165,20 +165,26 @@ def test_plan_thresholds_and_split_k():
     plan = lambda m, n, cc: ql.plan_quant_linear(m, n, w, cc, 132)  # noqa: E731
     # The thresholds of the H200 sweep (quant_linear.py's constants).
     assert [plan(m, 4096, (9, 0)).path for m in (1, 2, 4, 5, 16, 32, 33, 64, 65, 1025)] == \
-        ["gemv", "gemv", "splitk", "splitk", "splitk", "splitk", "tiled", "tiled", "cublas", "cublas"]
+        ["gemv", "dot", "dot", "dot", "dot", "dot", "dot", "dot", "cublas", "cublas"]
     assert [plan(m, 4096, (7, 0)).path for m in (1, 2, 8, 300)] == ["gemv", "cublas", "cublas", "cublas"]
-    assert plan(5, 4096, (9, 0)).use_dot and plan(17, 4096, (9, 0)).block_m == 32
+    assert plan(17, 4096, (9, 0)).block_m == 32 and plan(33, 4096, (9, 0)).block_n == 128
+    # Weights the tensor-core GEMV does not take (act-order, 8-bit) keep split-K / tiled.
+    act = w._replace(g_idx=torch.zeros(4096, dtype=torch.int32))
+    assert [ql.plan_quant_linear(m, 4096, act, (9, 0), 132).path for m in (2, 32, 33, 64)] == \
+        ["splitk", "splitk", "tiled", "tiled"]
+    assert ql.plan_quant_linear(5, 4096, act, (9, 0), 132).use_dot
+    assert ql.plan_quant_linear(17, 4096, act, (9, 0), 132).block_m == 32
     assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(1, 4096, (9, 0)).block_n == ql.GEMV_BLOCK_N
     gemv = ql.plan_quant_linear(3, 4096, w, (9, 0), 132, gemv_m_max=4)
     assert gemv.block_m == 4  # the GEMV loops over a power of two of rows
     gemv = ql.plan_quant_linear(1, 4096, w, (9, 0), 132, gemv_m_max=4)
     assert gemv.split_k > 1 and (gemv.split_k - 1) * -(-32 // gemv.split_k) < 32  # 4096 / 128: 32 K tiles
-    decode = plan(5, 4096, (9, 0))
+    decode = ql.plan_quant_linear(5, 4096, act, (9, 0), 132)
     assert decode.split_k > 1 and decode.block_k == 128  # 64 N tiles alone would leave SMs idle
     k_tiles = 4096 // decode.block_k
     per = -(-k_tiles // decode.split_k)
     assert (decode.split_k - 1) * per < k_tiles  # no empty K slice
-    assert plan(5, 28672, (9, 0)).split_k <= 2  # 224 N tiles of 128 nearly fill the GPU (the sweep: 2)
+    assert ql.plan_quant_linear(5, 28672, act, (9, 0), 132).split_k <= 2  # 224 N tiles of 128 nearly fill the GPU
     assert plan(64, 4096, (9, 0)).block_k == 128 and plan(64, 4096, (9, 0)).block_m == 64
     assert ql.plan_quant_linear(5, 4096, w._replace(bits=8), (9, 0), 132).block_k == 64  # 16 words of 4 values
     assert ql.plan_quant_linear(1, 4096, w._replace(bits=8), (9, 0), 132, gemv_m_max=4).block_k == 4 * ql.GEMV_BLOCK_KW

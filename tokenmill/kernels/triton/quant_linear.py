@@ -27,7 +27,11 @@ checked with ptxas -v.)
   float32 FMAs with the values turned into floats by bit operations (no
   int->float instructions), partial sums per thread reduced once after the
   K loop; K slices as in split-K below (its module docstring has the math).
-- small M (split-K): one program per (M tile, N tile, K slice). Decode is
+- decode-sized M on cc >= 8.0 (GEMV_M_MAX < M <= DOT_M_MAX; 4-bit, no act-order,
+  one group per 128-deep K tile): `quant_dot.quant_dot_kernel`, the words
+  dequantized by a few packed PTX instructions into a tensor-core operand,
+  K slices as in split-K below.
+- small M (split-K, the rest up to SMALL_M_MAX): one program per (M tile, N tile, K slice). Decode is
   memory-bound: each program streams its slice of the packed words once
   (bits/16 of the bf16 bytes: a quarter for 4-bit, plus scales and zeros).
   The K slices write float32 partials [SPLIT_K, M, N] that a second small
@@ -90,9 +94,9 @@ SMALL_M_MAX_CC70 = 1
 # M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the FMA GEMV (`quant_gemv.py`), for weights without
 # act-order. Launch settings: output rows per program, packed words per K step, warps, stages, programs wanted
 # per SM (divided by the power of two of M). H200 sweep (benchmarks/gpu/results/session8/sweep2.log): one-warp
-# programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM,
-# and at M = 2 with ~8 (0.82-0.88x of bf16, level with or ahead of split-K); from M = 4 split-K is faster.
-GEMV_M_MAX = 2
+# programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM;
+# from M = 2 the tensor-core GEMV below is faster (session9/visit2/sweep.log).
+GEMV_M_MAX = 1
 GEMV_M_MAX_CC70 = 1
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_KW = 16
@@ -100,15 +104,15 @@ GEMV_WARPS = 1
 GEMV_STAGES = 1
 GEMV_PROGRAMS_PER_SM = 16
 # GEMV_M_MAX < M <= DOT_M_MAX (cc >= 8.0; 4-bit, no act-order, group size a multiple of DOT_BLOCK_K): the
-# tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile), with these tiles. Off (0) until
-# an H200 run has checked its PTX path and timed it: its instruction count (ptxas/cuobjdump for sm_90a) is ~3.5
-# per 4-bit value at any M <= 32, against ~8 for the split-K kernel and ~9 for the FMA GEMV at M = 2;
-# `benchmarks/gpu/sweep_quant.py` times it (path "dot") and tests/kernels/test_quant_linear.py checks it on GPUs.
-DOT_M_MAX = 0
-DOT_BLOCK_N = 128
+# tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile). Tiles per M range: (largest M,
+# block_n, warps, stages, programs per SM); block_m is M's power of two, at least 16. H200 sweep
+# (benchmarks/gpu/results/session9/visit2/sweep.log, Llama-3.1-8B shapes, W4A16 g128): M = 2..16 with
+# 64-row two-warp tiles, 16.7-32.0 us per layer shape = 0.99-1.06x of bf16 F.linear for gate_up / down and
+# 0.83-0.92x for qkv / o, 10-25% faster than split-K; M = 32 and 64: 4-12% and 10-20% faster than split-K /
+# tiled; from M = 128 dequantize + cuBLAS (M = 256: 45 us vs 92 for the best tensor-core tile on qkv).
+DOT_M_MAX = 64
+DOT_TILES = ((32, 64, 2, 4, 8), (64, 128, 4, 3, 2))
 DOT_BLOCK_K = 128
-DOT_WARPS = 4
-DOT_STAGES = 4
 
 
 @triton.jit
@@ -406,7 +410,9 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     shapes); split_k forces the number of K slices of the Triton paths.
 
     M <= gemv_m_max (default GEMV_M_MAX, GEMV_M_MAX_CC70 on cc < 8.0): the GEMV kernel, GEMV_BLOCK_N rows x
-    GEMV_BLOCK_KW words per step, K split until there are ~GEMV_PROGRAMS_PER_SM programs per SM.
+    GEMV_BLOCK_KW words per step, K split until there are ~GEMV_PROGRAMS_PER_SM programs per SM. Then, on
+    cc >= 8.0 up to DOT_M_MAX for weights `quant_dot.dot_supported` takes: the tensor-core GEMV with the
+    DOT_TILES tile of M's range.
 
     BLOCK_K is `block_k_for(bits)` everywhere (128 for 4-bit, 64 for 8-bit). Tiles (H200-class,
     cc >= 8.0): small M uses 16-row (the smallest tl.dot) x 64 output tiles and splits K until there are
@@ -429,8 +435,9 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
                                            GEMV_WARPS, 1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k,
                            programs_per_sm=max(1, GEMV_PROGRAMS_PER_SM // bm))
     if not cc70 and m <= DOT_M_MAX and dot_supported(w.g_idx is not None, w.bits, w.group_size, k, DOT_BLOCK_K):
-        return finish_plan(QuantLinearPlan("dot", max(16, triton.next_power_of_2(m)), DOT_BLOCK_N, DOT_BLOCK_K, 0,
-                                           True, DOT_WARPS, DOT_STAGES), m, n, k, num_sms, split_k)
+        _, bn, warps, stages, per_sm = next(t for t in DOT_TILES if m <= t[0])
+        return finish_plan(QuantLinearPlan("dot", max(16, triton.next_power_of_2(m)), bn, DOT_BLOCK_K, 0, True, warps,
+                                           stages), m, n, k, num_sms, split_k, programs_per_sm=per_sm)
     if m > small and (m > large or cc70):
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
