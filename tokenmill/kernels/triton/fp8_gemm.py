@@ -6,7 +6,10 @@ any GPU) and M:
 
 - W8A8, cc >= 8.9 (FP8 tensor cores). x is quantized per token (one launch,
   `fp8_quant.quantize_fp8_triton`; static per-tensor when the checkpoint gives `input_scale`), then
-  * per-tensor / per-channel weights, bfloat16 x, K and N multiples of 16: `torch._scaled_mm` with
+  * M <= SMALL_M_MAX (decode): the Triton split-K GEMM below with fp8 `tl.dot` (H200, in CUDA graphs with the
+    weights from HBM, Llama-3.1-8B's four linears at M = 1..16: 103-106 us per layer against 149-152 for
+    `_scaled_mm` and 128-139 for bf16 F.linear; benchmarks/gpu/results/session9/visit2/fp8k.log).
+  * larger M, per-tensor / per-channel weights, bfloat16 x, K and N multiples of 16: `torch._scaled_mm` with
     row-wise scales (scale_a [M, 1] and scale_b [1, N] float32, contiguous; W^T column-major, i.e. W
     [N, K] row-major; bfloat16 out; PyTorch's aten/src/ATen/native/cuda/ScaledBlas.cpp lists these
     rules). y = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k].
@@ -397,7 +400,7 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
         else:
             xq, xs = quantize_fp8_triton(x)
             a_mode = A_ROW
-        if use_scaled_mm and scaled_mm_supported(x, w, cap) and m > 0:
+        if use_scaled_mm and m > SMALL_M_MAX and scaled_mm_supported(x, w, cap):
             return scaled_mm_rowwise(xq, xs, w, bias, x.dtype)
         plan = plan_fp8_gemm(m, n, k, True, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k)
         return _launch(xq, w.weight, xs, a_mode, w.scale.float(), _B_MODE[scheme], block or (1, k), bias, x.dtype, plan)
