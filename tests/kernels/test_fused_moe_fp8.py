@@ -18,6 +18,8 @@ import torch
 from tokenmill.kernels.fp8 import dequantize_fp8, e4m3_to_float16_table, quantize_fp8_block, quantize_fp8_per_row
 from tokenmill.kernels.triton import fused_moe_fp8 as f8
 from tokenmill.kernels.triton.fused_moe import moe_align_block_size
+from tokenmill.layers.fp8_params import Fp8Scheme
+from tokenmill.layers.fused_moe import layer as moe_mod
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
 
 CUDA = torch.cuda.is_available()
@@ -102,6 +104,28 @@ def test_one_token_biases_and_top1(nan_outputs):
     weights, ids = select_experts(torch.randn(3, 4, generator=g).to(DEV), 1, False)
     out = f8.fused_experts_fp8_triton(x3, *packed, weights, ids)
     _check(out, _reference(x3, packed, (None, None), weights, ids, None), torch.float16)
+
+
+def test_fused_moe_layer_passes_its_fp8_experts(monkeypatch):
+    """FusedMoE's CUDA call (`apply_fp8_experts`, here in the interpreter) on tp rank 1 of 2 with 32 x 32 block
+    scales (stored per row, and w2's K shard starting at block 2) equals the layer's CPU path (experts
+    dequantized, then the reference), float32."""
+    monkeypatch.setattr(moe_mod, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(moe_mod, "get_tensor_model_parallel_world_size", lambda: 2)
+    e, h, i = 3, 64, 128
+    moe = moe_mod.FusedMoE(e, 2, h, i, renormalize=True, reduce_results=False)
+    moe.quantize(Fp8Scheme((32, 32), "dynamic"))
+    g = torch.Generator().manual_seed(5)
+    for x_id in range(e):
+        for p, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+            param = moe.w2_weight if p == "w2" else moe.w13_weight
+            param.weight_loader(param, torch.randn(*shape, generator=g), p, x_id)  # quantized on the way in
+    assert moe.w2_weight_scale.shape == (e, h, 2) and moe.w13_weight_scale.shape == (e, i, 2)
+    x, logits = torch.randn(4, h, generator=g), torch.randn(4, e, generator=g)
+    weights, ids = select_experts(logits, 2, True)
+    out, ref = moe.apply_fp8_experts(x, weights, ids, None), moe(x, logits)
+    # float32 on both sides; they differ in where the scale multiplies (each weight vs the K tile's sum)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_cc70_settings_decode_every_code_exactly(monkeypatch):
