@@ -154,16 +154,16 @@ class Fp8MoeConfig:
 
 # Default launch settings by the number of (token, expert) pairs: the first row whose bound is >= the pairs.
 # Not yet swept on a GPU (benchmarks/gpu/fp8_moe.py --sweep does); chosen from the 16-bit, int4 and MXFP4
-# grouped GEMMs' H200 results at Qwen3-30B-A3B / gpt-oss shapes:
-# - up to 1024 pairs (decode; 128 tokens at top-8): BLOCK_M 16, most tiles hold one or two pairs, and the step
-#   is bound by reading the routed experts' bytes; 64 x 128 weight tiles (8 KB of e4m3 per K tile) keep
-#   enough bytes in flight per program.
-# - up to 4096 pairs: BLOCK_M 32, a 128-expert layer then averages 8-32 pairs per expert.
-# - beyond: BLOCK_M 64 (each decoded weight tile reused by 64 rows), 128 x 64 weight tiles.
+# grouped GEMMs' H200 results, and sized to compile for sm_90 without register spills (the decoded weight tile
+# lives in registers; tests/kernels/test_fp8_moe_compile.py checks each row with block scales):
+# - up to 1024 pairs (decode; 128 tokens at top-8): BLOCK_M 16, most tiles hold one or two pairs and the step
+#   is bound by reading the routed experts' bytes; 64 x 128 weight tiles (8 KB of e4m3 per K tile).
+# - up to 4096 pairs: BLOCK_M 32 (a 128-expert layer averages 8-32 pairs per expert), 8 warps.
+# - beyond: BLOCK_M 64, each decoded weight tile reused by 64 rows; 128 x 64 weight tiles, 8 warps (4 warps spill).
 DEFAULT_CONFIGS: tuple[tuple[int, Fp8MoeConfig], ...] = (
     (1024, Fp8MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)),
-    (4096, Fp8MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)),
-    (1 << 62, Fp8MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (4096, Fp8MoeConfig(block_m=32, block_n=64, block_k=128, num_warps=8, num_stages=3)),
+    (1 << 62, Fp8MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
 # cc < 8.0 (V100; float16, FMA dots): one stage (no cp.async) and 32 x 32 weight tiles, the sizes the MXFP4 MoE
 # kernel compiles to without register spills on sm_70; BLOCK_M 32 from 512 pairs.
