@@ -12,6 +12,9 @@ GPU: Qwen3-30B-A3B's expert shapes (E 128, H 2048, I 768, top-8), bfloat16 and t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,6 +128,32 @@ def test_fused_moe_layer_passes_its_fp8_experts(monkeypatch):
     weights, ids = select_experts(logits, 2, True)
     out, ref = moe.apply_fp8_experts(x, weights, ids, None), moe(x, logits)
     # float32 on both sides; they differ in where the scale multiplies (each weight vs the K tile's sum)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_benchmark_config_dummy_experts(tmp_path, monkeypatch):
+    """A tiny version of benchmarks/configs/qwen3-30b-a3b-fp8.json (Qwen3-30B-A3B-FP8's quantization_config:
+    fp8 e4m3, dynamic, 128 x 128 blocks) loads dummy FP8 experts on the CPU (kept in FP8 here, as on a GPU), and
+    the kernel on them equals the layer's CPU path."""
+    from tokenmill.config import EngineArgs
+    from tokenmill.model_loader import get_model
+    from tokenmill.model_loader import loader as loader_mod
+
+    raw = json.loads((Path(__file__).parents[2] / "benchmarks/configs/qwen3-30b-a3b-fp8.json").read_text())
+    raw.update(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=256,
+               bos_token_id=1, eos_token_id=2, max_position_embeddings=128)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(loader_mod, "dequantize_layers", lambda model: 0)
+    cfg = EngineArgs(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True).create_engine_config()
+    experts = get_model(cfg.model_config, "cpu", "float32").model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight_scale.shape == (4, 256, 1)
+    assert experts.w13_weight_scale.shape == (4, 256, 2) and experts.quant.block_size == (128, 128)
+    g = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(3, 256, generator=g), torch.randn(3, 4, generator=g)
+    weights, ids = select_experts(logits, 2, True)
+    out, ref = experts.apply_fp8_experts(x, weights, ids, None), experts(x, logits)
+    assert ref.abs().max() > 0
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
