@@ -137,7 +137,7 @@ def grouped_fp8_gemm_kernel(
     tl.store(c_ptrs, round_to(acc, ROUND).to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & pair_mask[None, :])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fp8MoeConfig:
     """Launch settings of both grouped GEMMs of `fused_experts_fp8_triton` (0: the default table's value).
 
@@ -178,7 +178,7 @@ def launch_config(num_pairs: int, capability: tuple[int, int], config: Fp8MoeCon
     with the nonzero fields of `config` in its place.
 
     Raises:
-        ValueError: block_m or block_k is not a power of two >= 16, or block_n not one >= 16.
+        ValueError: block_m, block_n or block_k is not a power of two >= 16.
     """
     table = DEFAULT_CONFIGS_CC70 if tuple(capability) < (8, 0) else DEFAULT_CONFIGS
     cfg = next(c for bound, c in table if num_pairs <= bound)
