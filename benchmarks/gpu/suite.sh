@@ -18,8 +18,9 @@
 #   moe      offline_bench.py --part offline --config qwen3-30b-a3b.json --hf-prompts 0
 #   prefix   prefix_cache_bench.py, 200 requests, Llama-3.1-8B config
 #   tp       tp_bench.py (TP=1 vs TP=2; two GPUs)
-#   qktests  the int4/int8 and FP8 kernel tests only (GPU-marked ones run at real sizes)
+#   qktests  the int4/int8 and FP8 kernel tests only, FP8 fused MoE included (GPU-marked ones run at real sizes)
 #   fp8k     fp8_gemm.py --cc70: FP8 GEMMs vs bf16 at Llama-3.1-8B shapes
+#   fp8moek  fp8_moe.py --sweep: the FP8 fused MoE vs dequantize-all + bf16 vs bf16 at Qwen3-30B-A3B expert shapes
 #   quantk   quant_gemm.py: int4/int8 kernels vs bf16 at Llama-3.1-8B / Qwen3-30B-A3B shapes
 #   qtpot-awq, qtpot-gptq, qoffline-awq, qoffline-gptq   tpot / offline with the W4A16 configs
 #            (benchmarks/configs/llama-3.1-8b-{awq,gptq}.json: dummy 4-bit weights, group 128)
@@ -29,6 +30,8 @@
 #   qtpot-fp8-atload, qoffline-fp8-atload   the bf16 config with --quantization fp8 (quantized at load)
 #   qcc70-fp8  offline, the FP8 config on the cc-7.0 path (weight-only, e4m3 bits decoded in the kernel; fp16)
 #   qmoe     offline, Qwen3-30B-A3B GPTQ-Int4 config
+#   qmoe-fp8 offline, Qwen3-30B-A3B with Qwen3-30B-A3B-FP8's quantization_config (benchmarks/configs/
+#            qwen3-30b-a3b-fp8.json: dummy e4m3 weights, 128x128 blocks; experts in the FP8 fused-MoE kernel)
 #   qcc70, qtpot-cc70   the AWQ config on the cc-7.0 path (fp16)
 #   kvfp8    the fp8 KV-cache kernel tests at real sizes (tests/kernels/test_kv_fp8.py), the engine ones
 #            (tests/gpu/test_kv_cache_fp8_cuda.py: CUDA graphs, 2x tokens) and the 16-bit
@@ -75,8 +78,9 @@ for spec in "$@"; do
     prefix)  cmd="python benchmarks/prefix_cache_bench.py --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --skip-tokenizer-init --dtype bfloat16 --num-requests 200 --request-rate 8 --output-len 32 --json-out $OUT/prefix.json" ;;
     tp)      cmd="python benchmarks/gpu/tp_bench.py --json-out $OUT/tp.json" ;;
     quantk)  cmd="python benchmarks/gpu/quant_gemm.py --json-out $OUT/quant_gemm.json" ;;
-    qktests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_quant_linear.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_quant_pack.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_reference.py" ;;
+    qktests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_quant_linear.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_quant_pack.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_reference.py tests/kernels/test_fused_moe_fp8.py" ;;
     fp8k)    cmd="python benchmarks/gpu/fp8_gemm.py --cc70" ;;
+    fp8moek) cmd="python benchmarks/gpu/fp8_moe.py --sweep --json-out $OUT/fp8_moe.json" ;;
     qtpot-awq|qtpot-gptq|qoffline-awq|qoffline-gptq)
              m=${part#*-}; p=${part%-*}; p=${p#q}
              cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b-$m.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
@@ -88,6 +92,7 @@ for spec in "$@"; do
              cmd="python benchmarks/gpu/offline_bench.py --part $p --config benchmarks/configs/llama-3.1-8b.json --quantization fp8 --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/$part.json" ;;
     qcc70-fp8) cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-fp8.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70-fp8.json" ;;
     qmoe)    cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b-gptq-int4.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qmoe.json" ;;
+    qmoe-fp8) cmd="python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b-fp8.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qmoe-fp8.json" ;;
     qcc70)   cmd="python benchmarks/gpu/offline_bench.py --part offline --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --hf-prompts 0 --git-commit $COMMIT --json-out $OUT/qcc70.json" ;;
     qtpot-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --config benchmarks/configs/llama-3.1-8b-awq.json --git-commit $COMMIT --json-out $OUT/qtpot-cc70.json" ;;
     kvfp8)   cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_kv_fp8.py tests/gpu/test_kv_cache_fp8_cuda.py tests/kernels/test_triton_paged_attention.py tests/kernels/test_triton_reshape_and_cache.py" ;;

@@ -7,7 +7,9 @@ with the activation quantization, and the engine's greedy tokens are compared wi
 checkpoint's dequantized weights with the same activation quantization hooked in; below 8.9 (or with
 TOKENMILL_FORCE_CC70=1) they run weight-only and the references keep the activations unquantized. `--load-format dummy --quantization fp8` on a
 bfloat16 config checks the speed-run path: FP8 parameters on the GPU, weight bytes reported, every layer equal
-to the FP8 reference of its own weights (bfloat16: torch._scaled_mm on cc >= 8.9).
+to the FP8 reference of its own weights (bfloat16: torch._scaled_mm on cc >= 8.9). A tiny Qwen3-MoE in the fp8
+block layout checks the experts: e4m3 on the GPU, run by the FP8 fused-MoE kernel, equal to the reference on
+their dequantized weights, and greedy tokens equal to transformers'.
 """
 
 from __future__ import annotations
@@ -99,6 +101,65 @@ def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
         ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
                                     tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)
         assert ok, f"{layout}: {msg}"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    from checkpoints import save_tiny_hf_model
+
+    return save_tiny_hf_model("qwen3_moe", str(tmp_path_factory.mktemp("dense_moe")))
+
+
+def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
+    """The experts stay e4m3 on the GPU and run `kernels.fused_experts_fp8` (float32 and bfloat16 activations),
+    equal to `fused_experts_reference` on their dequantized weights; the engine's greedy tokens (CUDA graphs)
+    equal transformers' on the checkpoint's weights up to near-ties (experts weight-only on both sides)."""
+    from family_utils import compare_greedy, hf_greedy
+    from fp8_checkpoints import activation_hooks, reference_fp8_state_dict, write_fp8_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.layers.fused_moe.layer import FusedMoE
+    from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
+    from tokenmill.model_loader import get_model
+
+    folder = write_fp8_checkpoint(tiny_qwen3_moe, str(tmp_path / "fp8-block"), "fp8-block")
+    cfg = EngineArgs(model=folder, dtype="float32", skip_tokenizer_init=True, device="cuda").create_engine_config()
+    model = get_model(cfg.model_config, "cuda", "float32")
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.w13_weight.dtype == torch.float8_e4m3fn and m.w13_weight.is_cuda for m in moes)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for moe in moes:
+        w13, w2 = (moe.fp8_dense(p, torch.float32).cpu() for p in ("w13", "w2"))
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for t in (1, 40):
+                x = torch.randn(t, moe.hidden_size, device="cuda", generator=g).to(dtype)
+                weights, ids = select_experts(torch.randn(t, moe.num_experts, device="cuda", generator=g), moe.top_k,
+                                              moe.renormalize)
+                out = moe.apply_experts(x, weights, ids, None)
+                ref = fused_experts_reference(x.float().cpu(), w13, w2, weights.cpu(), ids.cpu(), moe.activation)
+                err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
+                assert out.dtype == dtype and err <= tol, f"{dtype}, T={t}: rel err {err:.2e}"
+    del model
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32).eval()
+    hf.load_state_dict({k: v.float() for k, v in reference_fp8_state_dict(folder).items()})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (29, 5, 17)]
+    handles = activation_hooks(hf, folder) if _w8a8_here() else []
+    try:
+        refs = [hf_greedy(hf, p, 8) for p in prompts]
+    finally:
+        for h in handles:
+            h.remove()
+    llm = LLM(folder, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              kv_cache_memory_bytes="64M", seed=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for out, (ref_tokens, ref_logits) in zip(outs, refs):
+        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits)
+        assert ok, msg
 
 
 def test_dummy_quantization_fp8_bf16(tmp_path, caplog):

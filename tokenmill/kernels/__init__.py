@@ -17,6 +17,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
     fused_experts_quant  triton/fused_moe_quant.py          -
     fused_experts_mxfp4  triton/fused_moe_mxfp4.py          - (experts dequantized at load)
+    fused_experts_fp8    triton/fused_moe_fp8.py            - (experts dequantized at load)
     fp8_linear           triton/fp8_gemm.py (_scaled_mm)    fp8.py (PyTorch reference, no FP8 arithmetic)
     quantize_fp8_activations  triton/fp8_quant.py           fp8.py (PyTorch, bit-equal)
     dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
@@ -241,6 +242,21 @@ def fused_experts_mxfp4(hidden_states: torch.Tensor, w13_blocks: torch.Tensor, w
 
     return fused_experts_mxfp4_triton(hidden_states, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights,
                                       topk_ids, activation, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def fused_experts_fp8(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                      w2_bias: torch.Tensor | None = None,
+                      block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """`fused_experts` with FP8 e4m3 expert weights decoded inside the grouped GEMMs (weight-only), CUDA:
+    hidden [T, H], w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, float32 scales per expert [E], per channel
+    [E, N] or with block_size (Bn, Bk) [E, ceil(N / Bn), ceil(K / Bk)], topk [T, k], optional biases [E, 2I] /
+    [E, H] -> [T, H] (`kernels.triton.fused_moe_fp8.fused_experts_fp8_triton`)."""
+    from tokenmill.kernels.triton.fused_moe_fp8 import fused_experts_fp8_triton
+
+    return fused_experts_fp8_triton(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation,
+                                    w13_bias=w13_bias, w2_bias=w2_bias, block_size=block_size)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,

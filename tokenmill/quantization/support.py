@@ -21,7 +21,8 @@ e4m3 bytes on the GPU and run through `kernels.fp8_linear` (kernels/triton/fp8_g
 - cc 8.0 - 8.8 (Ampere) and cc 7.x (V100, T4: no FP8 arithmetic): weight-only at every checkpoint's scheme (a
   W8A8 checkpoint's activations stay 16-bit): the Triton GEMM decodes the e4m3 bits to float16 with integer
   ops; cc 7.x multiplies small batches with float32 FMAs and larger ones through dequantize + cuBLAS.
-- MoE experts, every GPU: dequantized per forward into the activation dtype, then the 16-bit Triton grouped GEMM.
+- MoE experts, every GPU: weight-only, the Triton FP8 grouped GEMM decoding the routed experts' e4m3 bytes in the
+  kernel (16-bit activations; kernels/triton/fused_moe_fp8.py).
 - CPU: dequantized into the weight dtype at load.
 """
 
@@ -42,13 +43,13 @@ _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit 
 
 _FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): torch._scaled_mm "
              "(per-channel, bfloat16) or the Triton FP8 GEMM (block scales, float16); weight-only checkpoints: Triton "
-             "GEMM decoding e4m3 in the kernel; MoE: experts dequantized per forward + Triton grouped GEMM")
+             "GEMM decoding e4m3 in the kernel; MoE: weight-only Triton FP8 grouped GEMM decoding e4m3 in the kernel")
 _FP8_CC80 = ("weight-only (W8A8 checkpoints keep 16-bit activations: no FP8 arithmetic before cc 8.9): Triton GEMM "
              "decoding e4m3 in the kernel (split-K small M, tiled medium M), dequantize + cuBLAS (large M); MoE: "
-             "experts dequantized per forward + Triton grouped GEMM")
+             "Triton FP8 grouped GEMM decoding e4m3 in the kernel")
 _FP8_CC70 = ("weight-only via e4m3 -> float16 bit decoding (no FP8 arithmetic): Triton split-K with float32 FMAs "
-             "(small M), dequantize + cuBLAS float16 with float32 accumulation (larger M); MoE: experts dequantized "
-             "per forward + Triton grouped GEMM")
+             "(small M), dequantize + cuBLAS float16 with float32 accumulation (larger M); MoE: the Triton FP8 grouped "
+             "GEMM with the same bit decoding (float32 FMAs, no tensor cores)")
 _REFUSED = "refused: tokenmill's Triton kernels need compute capability 7.0 or newer"
 FP8_ROW = "fp8"  # the table's row for every FP8 format (fp8, compressed-tensors float-quantized, --quantization fp8)
 

@@ -23,13 +23,12 @@ columns); CUDA runs `kernels.fused_experts_quant`, the CPU dequantizes
 after loading (`dequantize`).
 
 FP8 experts: `quantize(Fp8Scheme)` makes `w13_weight` / `w2_weight` float8_e4m3fn
-with per-row `w13_weight_scale` / `w2_weight_scale` (`layers/fp8_params.py`).
-On CUDA each forward dequantizes the layer's experts into the activation dtype
-(one Triton launch per weight, `kernels.dequantize_fp8_weight`) and runs the
-16-bit grouped GEMM: weight-only, whatever the checkpoint's activation scheme
-(the experts' static input_scales are checked at load and not used). The
-temporary dense weights of one layer are the price of the simplest exact path.
-The CPU dequantizes them once, after loading.
+with per-row `w13_weight_scale` / `w2_weight_scale` (`layers/fp8_params.py`;
+block scales as [E, N, ceil(K / Bk)], one row of K blocks per output row).
+CUDA runs `kernels.fused_experts_fp8`: grouped GEMMs that decode the routed
+experts' e4m3 bytes inside the kernel, weight-only whatever the checkpoint's
+activation scheme (16-bit activations; the experts' static input_scales are
+checked at load and not used). The CPU dequantizes them once, after loading.
 """
 
 from __future__ import annotations
@@ -179,13 +178,11 @@ class FusedMoE(nn.Module):
 
     def _quantize_fp8(self, scheme: Fp8Scheme) -> None:
         global _FP8_EXPERTS_LOGGED
-        if not _FP8_EXPERTS_LOGGED:
+        if scheme.activations is not None and not _FP8_EXPERTS_LOGGED:
             _FP8_EXPERTS_LOGGED = True
-            logger.warning("FP8 experts are kept in FP8 but dequantized to 16 bits, all of a layer's experts, on "
-                           "every forward (weight-only: %s), which costs a dense [E, N, K] copy per layer and step; "
-                           "an FP8 grouped GEMM is not built yet",
-                           "the checkpoint's activation scheme applies to the linear layers only"
-                           if scheme.activations else "as the checkpoint says")
+            logger.warning("FP8 experts run weight-only (e4m3 weights decoded in the fused-MoE kernel, 16-bit "
+                           "activations): the checkpoint's activation_scheme %r applies to the linear layers only",
+                           scheme.activations)
         e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
         self.params_dtype = self.w13_weight.dtype
         parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
@@ -205,6 +202,15 @@ class FusedMoE(nn.Module):
         e, n, k = w.shape
         flat = fp8_weight(w.reshape(e * n, k), s.reshape(e * n, *s.shape[2:]), self.quant)
         return kernels.dequantize_fp8_weight(flat, dtype).reshape(e, n, k)
+
+    def apply_fp8_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          w2_bias: torch.Tensor | None) -> torch.Tensor:
+        """`apply_experts` for FP8 experts through `kernels.fused_experts_fp8` (the e4m3 bytes decoded in the
+        grouped GEMMs; CUDA, or the Triton interpreter in tests)."""
+        block = None if self.quant.block_k is None else (1, self.quant.block_k)  # scales repeated per row
+        return kernels.fused_experts_fp8(hidden_states, self.w13_weight, self.w13_weight_scale, self.w2_weight,
+                                         self.w2_weight_scale, topk_weights, topk_ids, self.activation,
+                                         w13_bias=self.w13_bias, w2_bias=w2_bias, block_size=block)
 
     def quant_tensors(self, part: str):
         """`QuantTensors` of "w13" or "w2" (after `quantize`), expert dim first."""
@@ -314,7 +320,10 @@ class FusedMoE(nn.Module):
         """This rank's expert outputs [T, H] for routed `topk_ids` / `topk_weights` [T, k] (before the
         all-reduce); `w2_bias` is the down bias this rank adds (None on ranks > 0). Packed-weight
         subclasses override it."""
-        if isinstance(self.quant, Fp8Scheme):  # dequantized per forward (module docstring), then the 16-bit experts
+        if isinstance(self.quant, Fp8Scheme):
+            if hidden_states.is_cuda:
+                return self.apply_fp8_experts(hidden_states, topk_weights, topk_ids, w2_bias)
+            # the loader dequantizes CPU layers; this serves a layer built by hand
             w13, w2 = (self.fp8_dense(p, hidden_states.dtype) for p in ("w13", "w2"))
             return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias,
                                  w2_bias)

@@ -1,0 +1,67 @@
+"""Compile the FP8 grouped-MoE kernel for sm_70 (V100) and sm_90 (H100/H200) without a GPU.
+
+Same mechanism as test_mxfp4_compile.py (triton.compile with an explicit GPUTarget in a subprocess without
+TRITON_INTERPRET; ptxas -v from the triton wheel). The variants are launches `fused_experts_fp8_triton` picks
+(`fused_moe_fp8.DEFAULT_CONFIGS*`): cc 7.0 float16 with 32 x 32 weight tiles and one stage (gate/up with block
+scales, down with per-channel scales and the routing weight); cc 9.0 bfloat16, every row of the default
+table with block scales. sm_70's PTX must hold no FP8 conversion (the e4m3
+bytes are decoded with integer operations); sm_90's dots must reach the tensor cores.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from compile_helpers import compile_in_subprocess
+from optional_deps import require
+
+SCRIPT = textwrap.dedent(
+    """
+    import json
+    from compile_helpers import compile_with_ptxas
+    from tokenmill.kernels.triton import fused_moe_fp8 as f8
+
+    def compile_one(name, cc, act, out, cx, warps, stages):
+        ptrs = {"a_ptr": act, "w_ptr": "*u8", "s_ptr": "*fp32", "bias_ptr": act, "c_ptr": out,
+                "topk_weights_ptr": "*fp32", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
+                "num_pairs_post_padded_ptr": "*i32"}
+        r = compile_with_ptxas(name, f8.grouped_fp8_gemm_kernel, cc, ptrs, cx, warps, stages,
+                               ptx_marker="e4m3" if cc == 70 else "mma")
+        r["marker"] = r.pop("ptx_has_marker")
+        return r
+
+    def cx(**kw):
+        base = dict(TOP_K_DIV=8, MUL_ROUTED_WEIGHT=False, HAS_BIAS=False, BLOCK_SCALES=False, IEEE_FP32=False,
+                    CLAMP_FP16=False, ROUND=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+        base.update(kw)
+        return base
+
+    results = []
+    results.append(compile_one("cc70_gate_up_m16", 70, "*fp16", "*fp16",
+                               cx(BLOCK_SCALES=True, CLAMP_FP16=True, ROUND=1), 4, 1))
+    results.append(compile_one("cc70_down_m32", 70, "*fp16", "*fp32",
+                               cx(BLOCK_M=32, TOP_K_DIV=1, MUL_ROUTED_WEIGHT=True, ROUND=0), 4, 1))
+    # Every row of DEFAULT_CONFIGS with block scales (the most registers).
+    for _, c in f8.DEFAULT_CONFIGS:
+        results.append(compile_one(f"cc90_m{c.block_m}", 90, "*bf16", "*bf16",
+                                   cx(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_SCALES=True),
+                                   c.num_warps, c.num_stages))
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.slow
+def test_fp8_moe_kernel_compiles_for_sm70_and_sm90():
+    require("triton")
+    results = compile_in_subprocess(SCRIPT)
+    assert [(r["kernel"], r["cc"]) for r in results] == [
+        ("cc70_gate_up_m16", 70), ("cc70_down_m32", 70), ("cc90_m16", 90), ("cc90_m32", 90), ("cc90_m64", 90),
+    ]
+    for r in results:
+        assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r
+        assert r["cubin_bytes"] > 0 and r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r
+        # sm_70: no FP8 conversion instruction in the PTX; sm_90: tensor-core dots (mma / wgmma).
+        assert r["marker"] == (r["cc"] == 90), r
+        assert r["registers"] <= 255 and r["spill_bytes"] == 0, r
