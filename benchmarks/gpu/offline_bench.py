@@ -382,7 +382,7 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     llm, startup = build_llm(args)
     facts = engine_facts(llm, startup)
     engine, recorder = llm.llm_engine, StepRecorder(llm)
-    prompts = make_workload(3, (args.tpot_input,) * 2, (1, 1), vocab, args.seed)
+    prompts = make_workload(4, (args.tpot_input,) * 2, (1, 1), vocab, args.seed)
 
     def one(rid: str, ids: list[int], n_out: int, profile_steps: int = 0) -> tuple[float, list[float], float | None]:
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False,
@@ -409,6 +409,11 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     n_prof = min(args.profile_steps, args.tpot_output - 1)
     _, _, kernel_us = one("profiled", prompts[2][0], 1 + n_prof, profile_steps=n_prof)
     kernel_ms = kernel_us / 1e3 / n_prof if kernel_us and n_prof else None
+    # The first step (prefill + first token) of a fresh prompt under the profiler: its wall time, the GPU
+    # time inside it and the kernels that took it (issue 24's TTFT breakdown).
+    prof = _start_profiler()
+    t_first, first_stamps, _ = one("ttft-profiled", prompts[3][0], 1)
+    first_kernel_us = _stop_profiler(prof, top=12) if prof is not None else None
     tpot = float(gaps.mean()) if len(gaps) else float("nan")
     report["tokenmill"] = {
         "prompt_tokens": args.tpot_input, "output_tokens": len(stamps), "requested_output_tokens": args.tpot_output,
@@ -417,7 +422,9 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
         "execute_model_ms": float(np.mean(spans)) if spans else None,
         "execute_model_timer": "cuda_events" if recorder.cuda else "perf_counter",
         "gpu_kernel_ms_per_decode_step": kernel_ms, "profiled_decode_steps": n_prof if kernel_ms else 0,
-        "host_overhead_ms": tpot - kernel_ms if kernel_ms else None, "engine": facts}
+        "host_overhead_ms": tpot - kernel_ms if kernel_ms else None,
+        "ttft_profiled_ms": (first_stamps[0] - t_first) * 1e3 if first_stamps else None,
+        "ttft_gpu_kernel_ms": first_kernel_us / 1e3 if first_kernel_us else None, "engine": facts}
     free_llm(llm)
 
 
@@ -437,16 +444,25 @@ def _start_profiler() -> Any | None:
         return None
 
 
-def _stop_profiler(prof: Any) -> float | None:
-    """Summed duration (us) of the GPU activities (kernels, memcpy, memset) the profiler saw; None if none."""
+def _stop_profiler(prof: Any, top: int = 0) -> float | None:
+    """Summed duration (us) of the GPU activities (kernels, memcpy, memset) the profiler saw; None if none.
+    top > 0 also prints the `top` activities by summed time (name, calls, us)."""
     import torch
     from torch.autograd import DeviceType
 
     try:
         torch.cuda.synchronize()
         prof.stop()
-        total = sum(e.time_range.elapsed_us() for e in prof.events()
-                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+        gpu = [e for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        total = sum(e.time_range.elapsed_us() for e in gpu)
+        if top and gpu:
+            by_name: dict[str, list[float]] = {}
+            for e in gpu:
+                by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+            print(f"GPU activities: {total / 1e3:.2f} ms in {len(gpu)} launches; top {top}:", flush=True)
+            for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+                print(f"  {sum(times) / 1e3:8.3f} ms {len(times):5d}x  {name[:110]}", flush=True)
         return float(total) if total > 0 else None
     except Exception as exc:  # noqa: BLE001
         print(f"torch.profiler failed: {exc!r}", flush=True)
@@ -498,6 +514,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"| {tm['prompt_tokens']} | {tm['output_tokens']} | {tm['ttft_ms']:.1f} | {tm['tpot_ms']:.2f} | "
               f"{_fmt(tm['execute_model_ms'])} | {_fmt(tm['gpu_kernel_ms_per_decode_step'])} | "
               f"{_fmt(tm['host_overhead_ms'])} |")
+        print(f"first step of a fresh {tm['prompt_tokens']}-token prompt under the profiler: "
+              f"{_fmt(tm.get('ttft_profiled_ms'))} ms wall, {_fmt(tm.get('ttft_gpu_kernel_ms'))} ms of GPU activity")
         return
     print("| engine | prompts | output tokens | seconds | output tok/s | steps | mean batch |")
     print("|---|---:|---:|---:|---:|---:|---:|")
