@@ -16,8 +16,9 @@ FP8 weights (`fp8` checkpoints, compressed-tensors float-quantized, `--quantizat
 e4m3 bytes on the GPU and run through `kernels.fp8_linear` (kernels/triton/fp8_gemm.py):
 
 - cc >= 8.9 (Ada, Hopper): W8A8 as the checkpoint says: activations quantized per token (per 1 x 128 group for
-  block weights, or with the static input_scale), then `torch._scaled_mm` (per-channel, bfloat16) or the Triton
-  FP8 GEMM (block scales, float16); weight-only checkpoints decode the weight in the Triton GEMM.
+  block weights, or with the static input_scale), then the Triton FP8 GEMM for decode-sized batches (M <= 16) and
+  block scales or float16, `torch._scaled_mm` (per-channel, bfloat16) above; weight-only checkpoints decode the
+  weight in the Triton GEMM.
 - cc 8.0 - 8.8 (Ampere) and cc 7.x (V100, T4: no FP8 arithmetic): weight-only at every checkpoint's scheme (a
   W8A8 checkpoint's activations stay 16-bit): the Triton GEMM decodes the e4m3 bits to float16 with integer
   ops; cc 7.x multiplies small batches with float32 FMAs and larger ones through dequantize + cuBLAS.
@@ -34,15 +35,17 @@ from tokenmill.quantization.config import METHODS, QuantizationConfig
 
 MIN_CUDA_CAPABILITY = (7, 0)
 
-_CC80 = ("Triton FMA GEMV (M <= 2), Triton split-K (small M), Triton tiled dequantize-in-loop GEMM (medium M), "
+_CC80 = ("Triton FMA GEMV (M = 1), Triton tensor-core GEMV with PTX dequantization (M <= 64; 4-bit, no act-order), "
+         "Triton split-K (small M) / tiled dequantize-in-loop GEMM (medium M) for the other weights, "
          "dequantize + cuBLAS (large M); MoE: Triton fused-MoE with quantized experts")
 _CC70 = ("Triton FMA GEMV (M = 1), dequantize + cuBLAS float16 with float32 accumulation (larger M); "
          "MoE: the quantized Triton grouped fused-MoE kernel at every M (float32 FMAs, no tensor cores)")
 _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit weights in memory)"
 
 
-_FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): torch._scaled_mm "
-             "(per-channel, bfloat16) or the Triton FP8 GEMM (block scales, float16); weight-only checkpoints: Triton "
+_FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): the Triton FP8 GEMM "
+             "(M <= 16, block scales, float16) or torch._scaled_mm (per-channel, bfloat16, M > 16); weight-only "
+             "checkpoints: Triton "
              "GEMM decoding e4m3 in the kernel; MoE: weight-only Triton FP8 grouped GEMM decoding e4m3 in the kernel")
 _FP8_CC80 = ("weight-only (W8A8 checkpoints keep 16-bit activations: no FP8 arithmetic before cc 8.9): Triton GEMM "
              "decoding e4m3 in the kernel (split-K small M, tiled medium M), dequantize + cuBLAS (large M); MoE: "
