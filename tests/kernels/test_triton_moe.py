@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill.kernels.triton.fused_moe import (
+    _TABLE,
     GroupedGemmConfig,
     default_gemm_configs,
     fused_experts_triton,
@@ -238,3 +239,42 @@ def test_triton_configs_match_reference(w13_config, w2_config):
     ref = fused_experts_reference(x, w13, w2, w, ids)
     out = fused_experts_triton(x, w13, w2, w, ids, w13_config=w13_config, w2_config=w2_config)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (1, 8, 128, 16), (32, 8, 128, 16), (33, 8, 128, 16), (4096, 8, 128, 64), (4096, 4, 32, 128), (1000, 8, 256, 32),
+])
+def test_triton_align_equals_torch_gpu_and_replays_in_a_cuda_graph(num_tokens, top_k, num_experts, block_m):
+    """Real sizes (one launch at 256 pairs, two above), then captured once in a CUDA graph and replayed on
+    other routings (no host sync, static shapes)."""
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g, device="cuda")
+    got = moe_align_block_size(ids, block_m, num_experts)
+    for a, b in zip(got, moe_align_block_size_torch(ids, block_m, num_experts)):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_align_block_size(ids, block_m, num_experts)
+    for skew in (False, True):
+        new = torch.randint(0, num_experts, ids.shape, generator=g, device="cuda")
+        ids.copy_(new % 3 if skew else new)  # skewed: three experts take every pair
+        graph.replay()
+        for a, b in zip(captured, moe_align_block_size_torch(ids, block_m, num_experts)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", range(len(_TABLE)))
+def test_triton_gpu_every_table_row(row):
+    """Each default `_TABLE` row's tiles (forced, at a token count of another row too) against float32."""
+    _, c13, c2 = _TABLE[row]
+    for num_tokens in (3, 700):
+        x, w13, w2, logits = _problem(num_tokens, 512, 384, 16, 4, dtype=torch.bfloat16, device="cuda", seed=row)
+        w, ids = select_experts(logits, 4, renormalize=True)
+        b13 = torch.randn(16, 768, device="cuda").bfloat16()
+        b2 = torch.randn(16, 512, device="cuda").bfloat16()
+        ref = fused_experts_reference(x.float(), w13.float(), w2.float(), w, ids, "swigluoai", b13.float(), b2.float())
+        out = fused_experts_triton(x, w13, w2, w, ids, "swigluoai", w13_bias=b13, w2_bias=b2, w13_config=c13,
+                                   w2_config=c2)
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2

@@ -39,8 +39,8 @@ from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.triton.moe_align import moe_align_block_size
 from tokenmill.kernels.triton.splitk import device_facts
 
-__all__ = ["GroupedGemmConfig", "default_gemm_configs", "fused_experts_triton", "grouped_gemm_kernel",
-           "moe_align_block_size", "moe_sum", "tile_pairs"]
+__all__ = ["GroupedGemmConfig", "default_gemm_configs", "expert_activation", "fused_experts_triton",
+           "grouped_gemm_kernel", "moe_align_block_size", "moe_sum", "tile_pairs"]
 
 
 @triton.jit
@@ -250,7 +250,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch
     )
 
 
-def _activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+def expert_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of [P, 2I] rows in one launch where a Triton kernel has the same formula (silu, gelu
     tanh: `triton/activation.py`, bit-equal to PyTorch on CUDA); `moe_activation.act_and_mul` otherwise."""
     if activation in ("silu", "gelu") and gate_up.shape[0]:
@@ -300,7 +300,7 @@ def fused_experts_triton(
     aligned = moe_align_block_size(topk_ids, cfg13.block_m, w13.shape[0])
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=dtype, device=hidden_states.device)
     _grouped_gemm(hidden_states, w13, gate_up, w13_bias, None, aligned, top_k, cfg13)
-    inter = _activation(gate_up, activation)
+    inter = expert_activation(gate_up, activation)
     # The weighted expert outputs in bfloat16 for bfloat16 models (half the bytes of float32; the sum below
     # is still in float32); float32 for float16 (its range) and float32 models.
     down = torch.empty(num_pairs, hidden_size, dtype=dtype if dtype == torch.bfloat16 else torch.float32,
