@@ -18,7 +18,8 @@ T in {1, 16, 64, 256, 1024, 4096} tokens with random routing.
    serves both). The Triton variants are compiled first in a pool of
    worker processes (`--jobs`), which fills Triton's on-disk cache.
 2. Layer by part, default configs: routing (`select_experts`: softmax,
-   top-k, renormalize), sort (`moe_align_block_size`, and the PyTorch sort
+   top-k, renormalize in one Triton launch, and the PyTorch ops it
+   replaced), sort (`moe_align_block_size`, and the PyTorch sort
    it replaced), w13 GEMM, activation, w2 GEMM, top-k sum; then the whole
    layer (routing + `fused_experts_triton`) with the default and with the
    best configs.
@@ -200,6 +201,12 @@ def warm_all(names: list[str], tokens: list[int], jobs: int) -> set:
 # Timing
 
 
+def torch_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch routing that `select_experts` ran on CUDA before its Triton kernel (renormalized)."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
 def us(calls: list) -> float:
     return graph_time_ms(calls, replays=5) * 1e3
 
@@ -269,6 +276,7 @@ def sweep_point(name: str, shape: dict, w: dict, t: int, failed: set) -> dict:
     r_aligned = aligned(d13.block_m)
     gate_up = gemm_out("w13", shape, t)
     row["routing_us"] = us([lambda r=r: select_experts(r["logits"], k, True) for r in rs])
+    row["routing_torch_us"] = us([lambda r=r: torch_routing(r["logits"], k) for r in rs])
     row["align_us"] = us([lambda r=r: moe_align_block_size(r["ids"], d13.block_m, e) for r in rs])
     row["align_torch_us"] = us([lambda r=r: moe_align_block_size_torch(r["ids"], d13.block_m, e) for r in rs])
     row["act_us"] = us([lambda: expert_activation(gate_up, act)] * reps)
@@ -330,9 +338,9 @@ def print_model(rows: list[dict]) -> None:
     if not rows:
         return
     print(f"\n{rows[0]['model']}: us per MoE layer (bf16, CUDA graph, median)")
-    cols = ("routing_us", "align_us", "align_torch_us", "w13_default_us", "act_us", "w2_default_us", "sum_us",
+    cols = ("routing_us", "routing_torch_us", "align_us", "align_torch_us", "w13_default_us", "act_us", "w2_default_us", "sum_us",
             "layer_default_us", "layer_best_us", "mxfp4_layer_us")
-    heads = ("route", "sort", "sort.pt", "w13", "act", "w2", "sum", "layer", "best", "mxfp4")
+    heads = ("route", "route.pt", "sort", "sort.pt", "w13", "act", "w2", "sum", "layer", "best", "mxfp4")
     print(f"{'T':>5} {'p/E':>6} " + " ".join(f"{h:>8}" for h in heads) + "  best w13 | best w2")
     for r in rows:
         vals = " ".join(f"{r[c]:8.1f}" if isinstance(r.get(c), float) else f"{'-':>8}" for c in cols)

@@ -73,7 +73,7 @@ def _count_chunk(ids_ptr, counts_ptr, ranks_ptr, chunk, num_pairs, E_PAD: tl.con
     tl.store(row + ids, before + 1, mask=mask & (after == 0))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_tiles", "tiles_per_program"])
+@triton.jit(do_not_specialize=["num_pairs"])
 def align_count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                        SUB: tl.constexpr):
     """Launch 1 (several chunks): one program per chunk writes its ranks and histogram row."""
