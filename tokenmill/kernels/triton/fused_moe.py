@@ -27,6 +27,7 @@ candidates and prints a replacement table).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -216,12 +217,19 @@ def default_gemm_configs(num_pairs: int, num_experts: int, dtype: torch.dtype, d
     Raises:
         ValueError: w13_config and w2_config set different block_m (both projections share one sort).
     """
+    cap = tuple(device_facts(device)[0])
+    return _configs(num_pairs, num_experts, dtype == torch.float32 or cap < (8, 0), w13_config, w2_config, block_m)
+
+
+@functools.lru_cache(maxsize=1024)  # once per batch size and model: the forward stays light on the host
+def _configs(num_pairs: int, num_experts: int, fallback: bool, w13_config: GroupedGemmConfig | None,
+             w2_config: GroupedGemmConfig | None, block_m: int | None) -> tuple[GroupedGemmConfig, GroupedGemmConfig]:
     m13 = w13_config.block_m if w13_config is not None else 0
     m2 = w2_config.block_m if w2_config is not None else 0
     if m13 and m2 and m13 != m2:
         raise ValueError(f"w13_config.block_m {m13} and w2_config.block_m {m2} differ; both projections share one "
                          "sort by expert, so set one block_m (or the same one in both).")
-    if dtype == torch.float32 or tuple(device_facts(device)[0]) < (8, 0):
+    if fallback:
         d13 = d2 = _fallback_config(num_pairs)
     else:
         per_expert = num_pairs / max(1, num_experts)
