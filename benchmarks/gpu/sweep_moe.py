@@ -19,10 +19,10 @@ T in {1, 16, 64, 256, 1024, 4096} tokens with random routing.
    worker processes (`--jobs`), which fills Triton's on-disk cache.
 2. Layer by part, default configs: routing (`select_experts`: softmax,
    top-k, renormalize in one Triton launch, and the PyTorch ops it
-   replaced), sort (`moe_align_block_size`, and the PyTorch sort
-   it replaced), w13 GEMM, activation, w2 GEMM, top-k sum; then the whole
-   layer (routing + `fused_experts_triton`) with the default and with the
-   best configs.
+   replaced), sort (`moe_align_block_size`; "sort.1k" with chunk 1024,
+   one launch up to 1024 pairs; "sort.pt" the PyTorch sort it replaced),
+   w13 GEMM, activation, w2 GEMM, top-k sum; then the whole layer
+   (routing + `fused_experts_triton`) with the default and the best configs.
 
 Timing as quant_gemm.py: REPS calls captured in one CUDA graph (each call
 routes other tokens, so the decode calls read other experts and the weights
@@ -278,6 +278,8 @@ def sweep_point(name: str, shape: dict, w: dict, t: int, failed: set) -> dict:
     row["routing_us"] = us([lambda r=r: select_experts(r["logits"], k, True) for r in rs])
     row["routing_torch_us"] = us([lambda r=r: torch_routing(r["logits"], k) for r in rs])
     row["align_us"] = us([lambda r=r: moe_align_block_size(r["ids"], d13.block_m, e) for r in rs])
+    # One launch up to 1024 pairs instead of 256 (moe_align.CHUNK): is one bigger program faster than two launches?
+    row["align_1k_us"] = us([lambda r=r: moe_align_block_size(r["ids"], d13.block_m, e, chunk=1024) for r in rs])
     row["align_torch_us"] = us([lambda r=r: moe_align_block_size_torch(r["ids"], d13.block_m, e) for r in rs])
     row["act_us"] = us([lambda: expert_activation(gate_up, act)] * reps)
     down = torch.empty(pairs, shape["h"], dtype=torch.bfloat16, device=DEVICE)
@@ -338,9 +340,9 @@ def print_model(rows: list[dict]) -> None:
     if not rows:
         return
     print(f"\n{rows[0]['model']}: us per MoE layer (bf16, CUDA graph, median)")
-    cols = ("routing_us", "routing_torch_us", "align_us", "align_torch_us", "w13_default_us", "act_us", "w2_default_us", "sum_us",
-            "layer_default_us", "layer_best_us", "mxfp4_layer_us")
-    heads = ("route", "route.pt", "sort", "sort.pt", "w13", "act", "w2", "sum", "layer", "best", "mxfp4")
+    cols = ("routing_us", "routing_torch_us", "align_us", "align_1k_us", "align_torch_us", "w13_default_us", "act_us",
+            "w2_default_us", "sum_us", "layer_default_us", "layer_best_us", "mxfp4_layer_us")
+    heads = ("route", "route.pt", "sort", "sort.1k", "sort.pt", "w13", "act", "w2", "sum", "layer", "best", "mxfp4")
     print(f"{'T':>5} {'p/E':>6} " + " ".join(f"{h:>8}" for h in heads) + "  best w13 | best w2")
     for r in rows:
         vals = " ".join(f"{r[c]:8.1f}" if isinstance(r.get(c), float) else f"{'-':>8}" for c in cols)
