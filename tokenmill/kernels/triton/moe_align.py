@@ -60,7 +60,7 @@ def _count_chunk(ids_ptr, counts_ptr, ranks_ptr, chunk, num_pairs, E_PAD: tl.con
     ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
     before = tl.zeros([CHUNK], dtype=tl.int32)
     after = tl.zeros([CHUNK], dtype=tl.int32)
-    for s in tl.static_range(CHUNK // SUB):
+    for s in range(CHUNK // SUB):  # a loop, not unrolled: CHUNK / SUB copies of a [CHUNK, SUB] step would be large
         q = chunk * CHUNK + s * SUB + tl.arange(0, SUB)
         q_ids = tl.load(ids_ptr + q, mask=q < num_pairs, other=-2).to(tl.int32)
         same = ids[:, None] == q_ids[None, :]
@@ -112,7 +112,8 @@ def align_scatter_kernel(
     before = tl.zeros([E_PAD], dtype=tl.int32)
     for r0 in range(0, num_chunks, ROWS):
         rows = r0 + tl.arange(0, ROWS)
-        cnt = tl.load(counts_ptr + rows[:, None] * E_PAD + e[None, :], mask=rows[:, None] < num_chunks, other=0)
+        cnt = tl.load(counts_ptr + rows[:, None] * E_PAD + e[None, :], mask=rows[:, None] < num_chunks, other=0,
+                      cache_modifier=".cg")
         total += tl.sum(cnt, axis=0)
         before += tl.sum(tl.where(rows[:, None] < c, cnt, 0), axis=0)
     tiles = (total + BLOCK_M - 1) // BLOCK_M  # experts past num_experts have total 0
@@ -124,7 +125,9 @@ def align_scatter_kernel(
     offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
-    pos = tl.load(base_ptr + c * E_PAD + ids, mask=mask, other=0) + tl.load(ranks_ptr + offs, mask=mask, other=0)
+    # .cg: read from L2 what this program (FUSED) or launch 1 just wrote.
+    pos = (tl.load(base_ptr + c * E_PAD + ids, mask=mask, other=0, cache_modifier=".cg")
+           + tl.load(ranks_ptr + offs, mask=mask, other=0, cache_modifier=".cg"))
     tl.store(sorted_ptr + pos, offs, mask=mask)
     # Tiles [c * tiles_per_program, ...): expert = #experts whose tile end <= tile (searchsorted, right=True),
     # clamped to the last expert past the padded total; padding marker in the slots past the expert's pairs.
@@ -216,12 +219,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     ranks = scratch[2 * num_chunks * e_pad:]
     fused = num_chunks == 1
     sub = min(SUB, chunk)
+    # [chunk, SUB] equality tiles: 64 rows per warp keep them in registers (sm_90 ptxas: chunk 1024 on 4 warps spills).
+    warps = max(4, min(16, chunk // 64))
     if not fused:
-        align_count_kernel[(num_chunks,)](flat, counts, ranks, num_pairs, E_PAD=e_pad, CHUNK=chunk, SUB=sub)
+        align_count_kernel[(num_chunks,)](flat, counts, ranks, num_pairs, E_PAD=e_pad, CHUNK=chunk, SUB=sub,
+                                          num_warps=warps)
     align_scatter_kernel[(num_chunks,)](
         flat, counts, ranks, bases, sorted_pair_ids, tile_expert_ids, num_post,
         num_pairs, num_experts, num_chunks, max_tiles, triton.cdiv(max_tiles, num_chunks),
         FUSED=fused, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=sub,
-        ROWS=max(1, min(triton.next_power_of_2(num_chunks), 4096 // e_pad)), TILE_BLOCK=TILE_BLOCK,
+        ROWS=max(1, min(triton.next_power_of_2(num_chunks), 4096 // e_pad)), TILE_BLOCK=TILE_BLOCK, num_warps=warps,
     )
     return sorted_pair_ids, tile_expert_ids, num_post
