@@ -92,7 +92,7 @@ for spec in "$@"; do
     kvfp8-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-cc70.json" ;;
     osstests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_fused_moe_mxfp4.py tests/kernels/test_mxfp4_dequant.py tests/kernels/test_triton_moe.py tests/models/test_gpt_oss.py" ;;
     moesweep) cmd="python benchmarks/gpu/sweep_moe.py --json-out $OUT/sweep_moe.json" ;;
-    moetests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_triton_moe.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_fused_moe_mxfp4.py tests/models/test_families.py tests/models/test_gpt_oss.py" ;;
+    moetests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_triton_moe.py tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_fused_moe_mxfp4.py tests/models/test_families.py tests/models/test_gpt_oss.py" ;;
     mxfp4k)  cmd="python benchmarks/gpu/mxfp4_moe.py --sweep --json-out $OUT/mxfp4_moe.json" ;;
     osstpot-20b|osstpot-120b|ossoffline-20b|ossoffline-120b)
              m=${part#*-}; p=${part%-*}; p=${p#oss}
