@@ -40,6 +40,9 @@
 #            config, bf16 weights): compare TPOT and "KV cache: ... tokens" with the tpot / offline parts
 #   kvfp8-cc70   tpot with --kv-cache-dtype fp8 on the cc-7.0 path (fp16, TOKENMILL_FORCE_CC70=1)
 #   osstests the MXFP4 fused-MoE kernel tests (GPU-marked one at gpt-oss-20b sizes) and the gpt-oss model tests
+#   moesweep sweep_moe.py: bf16 fused-MoE tiles per T and the layer by part (routing, sort, GEMMs, activation,
+#            top-k sum) at Qwen3-30B-A3B / gpt-oss-20b expert shapes; prints _TABLE rows for fused_moe.py
+#   moetests the fused-MoE kernel tests (bf16 / int4 / MXFP4, GPU-marked ones at real sizes) and the MoE model tests
 #   mxfp4k   mxfp4_moe.py --sweep: the MXFP4 fused MoE vs decode-all + bf16 at gpt-oss-20b expert shapes
 #   osstpot-20b, osstpot-120b      tpot, gpt-oss-{20b,120b} configs (dummy MXFP4 experts), bf16
 #   ossoffline-20b, ossoffline-120b  offline, 1000 prompts in/out U[100, 1024], no transformers baseline
@@ -100,6 +103,8 @@ for spec in "$@"; do
     kvfp8-offline) cmd="python benchmarks/gpu/offline_bench.py --part offline --hf-prompts 0 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-offline.json" ;;
     kvfp8-cc70) cmd="python benchmarks/gpu/offline_bench.py --part tpot --force-cc70 --kv-cache-dtype fp8 --git-commit $COMMIT --json-out $OUT/kvfp8-cc70.json" ;;
     osstests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_fused_moe_mxfp4.py tests/kernels/test_mxfp4_dequant.py tests/kernels/test_triton_moe.py tests/models/test_gpt_oss.py" ;;
+    moesweep) cmd="python benchmarks/gpu/sweep_moe.py --json-out $OUT/sweep_moe.json" ;;
+    moetests) cmd="python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/kernels/test_triton_moe.py tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe_quant.py tests/kernels/test_fused_moe_mxfp4.py tests/models/test_families.py tests/models/test_gpt_oss.py" ;;
     mxfp4k)  cmd="python benchmarks/gpu/mxfp4_moe.py --sweep --json-out $OUT/mxfp4_moe.json" ;;
     osstpot-20b|osstpot-120b|ossoffline-20b|ossoffline-120b)
              m=${part#*-}; p=${part%-*}; p=${p#oss}

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels.triton.fused_moe import fused_experts_triton, moe_align_block_size
+from tokenmill.kernels.triton.fused_moe import (
+    _TABLE,
+    GroupedGemmConfig,
+    default_gemm_configs,
+    fused_experts_triton,
+    moe_align_block_size,
+    moe_sum,
+)
+from tokenmill.kernels.triton.moe_align import moe_align_block_size_torch
 from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
 
 CUDA = torch.cuda.is_available()
@@ -33,6 +41,37 @@ def test_moe_align_block_size_groups_and_pads_by_expert():
     assert sorted_ids[:10].tolist() == [1, 2, 6, pad, 3, pad, 0, 4, 5, 7]
     assert tile_experts[:5].tolist() == [0, 0, 1, 2, 2]
     assert torch.all(sorted_ids[10:] == pad)
+
+
+def _assert_same_alignment(topk_ids, block_m, num_experts, chunk):
+    got = moe_align_block_size(topk_ids, block_m, num_experts, chunk=chunk)
+    want = moe_align_block_size_torch(topk_ids, block_m, num_experts)
+    for name, g, w in zip(("sorted_pair_ids", "tile_expert_ids", "num_post"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name} differs for T={topk_ids.shape[0]} k={topk_ids.shape[1]} E={num_experts} " \
+                                  f"block_m={block_m} chunk={chunk}"
+
+
+def test_triton_align_equals_torch_on_random_shapes():
+    """The Triton sort (one launch up to `chunk` pairs, two above) gives the PyTorch sort's tensors bit for bit:
+    pair order inside an expert, padding marker, tile experts (the last expert past the padded total)."""
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for _ in range(24):
+        num_experts = int(torch.randint(1, 70, (1,), generator=g))
+        top_k = int(torch.randint(1, min(num_experts, 8) + 1, (1,), generator=g))
+        num_tokens = int(torch.randint(1, 48, (1,), generator=g))
+        block_m = [2, 16, 32, 64][int(torch.randint(0, 4, (1,), generator=g))]
+        chunk = [32, 64, 256][int(torch.randint(0, 3, (1,), generator=g))]
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
+        _assert_same_alignment(ids, block_m, num_experts, chunk)
+        cases += 1
+    # Skewed routing (one expert takes everything, over several chunks), int32 ids, a transposed view, no tokens.
+    _assert_same_alignment(torch.full((40, 4), 6), 16, 7, 32)
+    _assert_same_alignment(torch.randint(0, 128, (20, 8), generator=g, dtype=torch.int32), 16, 128, 64)
+    _assert_same_alignment(torch.randint(0, 5, (3, 11), generator=g).t(), 16, 5, 32)
+    _assert_same_alignment(torch.zeros(0, 8, dtype=torch.int64), 16, 128, 256)
+    assert cases == 24
 
 
 def test_select_experts_renormalize():
@@ -162,3 +201,80 @@ def test_swigluoai_biased_experts_triton_matches_reference_and_hf_formula():
     assert (x @ w13[0, :16].T + b13[0, :16]).abs().max() > 7, "the clamp must be exercised"
     out = fused_experts_triton(x, w13, w2, w, ids, "swigluoai", w13_bias=b13, w2_bias=b2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_sum_adds_top_k_rows_in_float32():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0], [9.0, 10.0], [11.0, 12.0]])
+    torch.testing.assert_close(moe_sum(x, 3, torch.float32), torch.tensor([[9.0, 12.0], [27.0, 30.0]]))
+    big = torch.full((2, 3), 60000.0)  # float16 sums past 65504 clamp instead of becoming inf
+    assert moe_sum(big, 2, torch.float16).tolist() == [[65504.0] * 3]
+
+
+def test_default_gemm_configs_table_overrides_and_shared_block_m():
+    cuda = torch.device("cpu")  # device_facts reports an H200 (9.0) off CUDA
+    d13, d2 = default_gemm_configs(8, 128, torch.bfloat16, cuda)  # Qwen3-30B-A3B, one decode token
+    assert d13.block_m == d2.block_m == 16 and min(d13.block_n, d13.block_k, d13.num_warps, d13.num_stages) > 0
+    big13, _ = default_gemm_configs(4096 * 8, 128, torch.bfloat16, cuda)
+    assert big13.block_m > d13.block_m
+    # float32: the fixed settings (exact dots take twice the shared memory)
+    f13, _ = default_gemm_configs(8, 128, torch.float32, cuda)
+    assert (f13.block_m, f13.block_n, f13.block_k) == (16, 64, 32)
+    o13, o2 = default_gemm_configs(8, 128, torch.bfloat16, cuda, GroupedGemmConfig(block_n=32, num_warps=2),
+                                   GroupedGemmConfig(block_m=16, block_k=64))
+    assert (o13.block_n, o13.num_warps, o13.block_k) == (32, 2, d13.block_k)
+    assert (o2.block_k, o2.block_n, o2.block_m, o13.block_m) == (64, d2.block_n, 16, 16)
+    assert default_gemm_configs(8, 128, torch.bfloat16, cuda, block_m=64)[1].block_m == 64
+    with pytest.raises(ValueError, match="block_m"):
+        default_gemm_configs(8, 128, torch.bfloat16, cuda, GroupedGemmConfig(block_m=16), GroupedGemmConfig(block_m=32))
+
+
+@pytest.mark.parametrize("w13_config,w2_config", [
+    (GroupedGemmConfig(block_m=16, block_n=16, block_k=16, group_m=2), GroupedGemmConfig(block_n=32, group_m=3)),
+    (GroupedGemmConfig(block_m=32, block_n=32, block_k=64, num_warps=2), None),
+])
+def test_triton_configs_match_reference(w13_config, w2_config):
+    """Other tile shapes and the GROUP_M-swizzled grid (a group size that does not divide the tile count)."""
+    x, w13, w2, logits = _problem(21, 48, 24, 5, 3, device="cuda" if CUDA else "cpu", seed=5)
+    w, ids = select_experts(logits, 3, renormalize=True)
+    ref = fused_experts_reference(x, w13, w2, w, ids)
+    out = fused_experts_triton(x, w13, w2, w, ids, w13_config=w13_config, w2_config=w2_config)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (1, 8, 128, 16), (32, 8, 128, 16), (33, 8, 128, 16), (4096, 8, 128, 64), (4096, 4, 32, 128), (1000, 8, 256, 32),
+])
+def test_triton_align_equals_torch_gpu_and_replays_in_a_cuda_graph(num_tokens, top_k, num_experts, block_m):
+    """Real sizes (one launch at 256 pairs, two above), then captured once in a CUDA graph and replayed on
+    other routings (no host sync, static shapes)."""
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g, device="cuda")
+    got = moe_align_block_size(ids, block_m, num_experts)
+    for a, b in zip(got, moe_align_block_size_torch(ids, block_m, num_experts)):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_align_block_size(ids, block_m, num_experts)
+    for skew in (False, True):
+        new = torch.randint(0, num_experts, ids.shape, generator=g, device="cuda")
+        ids.copy_(new % 3 if skew else new)  # skewed: three experts take every pair
+        graph.replay()
+        for a, b in zip(captured, moe_align_block_size_torch(ids, block_m, num_experts)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", range(len(_TABLE)))
+def test_triton_gpu_every_table_row(row):
+    """Each default `_TABLE` row's tiles (forced, at a token count of another row too) against float32."""
+    _, c13, c2 = _TABLE[row]
+    for num_tokens in (3, 700):
+        x, w13, w2, logits = _problem(num_tokens, 512, 384, 16, 4, dtype=torch.bfloat16, device="cuda", seed=row)
+        w, ids = select_experts(logits, 4, renormalize=True)
+        b13 = torch.randn(16, 768, device="cuda").bfloat16()
+        b2 = torch.randn(16, 512, device="cuda").bfloat16()
+        ref = fused_experts_reference(x.float(), w13.float(), w2.float(), w, ids, "swigluoai", b13.float(), b2.float())
+        out = fused_experts_triton(x, w13, w2, w, ids, "swigluoai", w13_bias=b13, w2_bias=b2, w13_config=c13,
+                                   w2_config=c2)
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2

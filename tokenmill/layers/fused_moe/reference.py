@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import use_fused_kernels
 from tokenmill.kernels.moe_activation import act_and_mul
 
 
@@ -31,8 +32,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
     Returns:
         (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64), experts
-        in descending probability order (torch.topk's order, as HF).
+        in descending probability order (torch.topk's order, as HF). On CUDA
+        one Triton launch (`kernels/triton/moe_routing.py`: weights within
+        about a float32 ulp, ids equal but for tied probabilities).
     """
+    if use_fused_kernels(router_logits):
+        from tokenmill.kernels.triton.moe_routing import topk_softmax
+
+        return topk_softmax(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
