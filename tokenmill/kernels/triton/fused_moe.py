@@ -182,15 +182,17 @@ class GroupedGemmConfig:
 _C = GroupedGemmConfig
 # 16-bit experts on cc >= 8.0: (max pairs per expert, w13 [gate|up] config, w2 config); the first row whose
 # bound is >= num_pairs / E applies. Pairs per expert: Qwen3-30B-A3B (E 128, top-8) has T / 16, gpt-oss-20b
-# (E 32, top-4) T / 8. Starting points before an H200 sweep (benchmarks/gpu/sweep_moe.py prints the
-# replacement rows): decode reads each routed expert once (narrow N tiles, long K steps, deep pipeline),
-# large batches reuse each weight tile over many rows (wide tiles).
+# (E 32, top-4) T / 8. The rows are the best tiles of an H200 sweep at Qwen3-30B-A3B's shapes
+# (benchmarks/gpu/sweep_moe.py, session9/visit3/moesweep.log: T = 1, 16, 256, 1024, 4096), each row's bound
+# between its T's pairs per expert and the next's; they were 0.3-3.6% faster per layer than the starting
+# points before (346.6 -> 334.0 us at T = 256). At gpt-oss-20b's shapes the same sweep found other tiles
+# up to 9% faster at T = 256 (64 x 128 x 64, 4 warps); its real checkpoints run the MXFP4 kernel instead.
 _TABLE: tuple[tuple[float, GroupedGemmConfig, GroupedGemmConfig], ...] = (
-    (2.0, _C(16, 64, 128, 0, 4, 4), _C(16, 64, 128, 0, 4, 4)),
-    (8.0, _C(16, 64, 128, 0, 4, 3), _C(16, 64, 128, 0, 4, 3)),
-    (32.0, _C(32, 64, 64, 0, 4, 4), _C(32, 64, 64, 0, 4, 4)),
-    (128.0, _C(64, 128, 64, 8, 4, 3), _C(64, 128, 64, 8, 4, 3)),
-    (math.inf, _C(128, 128, 64, 8, 8, 3), _C(128, 128, 64, 8, 8, 3)),
+    (0.25, _C(16, 32, 128, 0, 4, 4), _C(16, 64, 128, 0, 4, 3)),
+    (4.0, _C(16, 64, 256, 0, 4, 3), _C(16, 64, 128, 0, 4, 3)),
+    (32.0, _C(32, 128, 128, 0, 8, 3), _C(32, 64, 128, 0, 4, 3)),
+    (128.0, _C(128, 128, 64, 8, 8, 3), _C(128, 128, 64, 8, 8, 3)),
+    (math.inf, _C(128, 256, 64, 8, 8, 3), _C(128, 256, 64, 8, 8, 3)),
 )
 
 
