@@ -27,6 +27,15 @@ MAX_MODEL_LEN = 1024
 EOS_IDS = (0, 2)
 
 
+def llama_server_bin() -> Path:
+    """llama.cpp's `llama-server`: $LLAMA_SERVER, else setup_peers.sh's venv copy, else the build of
+    build_llama_server.sh (.build/llama-server-cpu/bin/llama-server)."""
+    if env := os.environ.get("LLAMA_SERVER"):
+        return Path(env)
+    venv = VENVS / "llamaserver" / "bin" / "llama-server"
+    return venv if venv.is_file() else ROOT / ".build" / "llama-server-cpu" / "bin" / "llama-server"
+
+
 def rel(path: Path | str) -> str:
     """`path` relative to the repository root when it lies inside it."""
     p = Path(os.path.abspath(path))  # not resolve(): a venv's python is a symlink that must stay one
@@ -117,7 +126,7 @@ class Peer:
         if self.engine == "llamaserver":
             # llama.cpp's own server (what Ollama runs): -np slots share -c
             # tokens of context, so each slot gets max_model_len.
-            return [rel(VENVS / "llamaserver" / "bin" / "llama-server"), "-m", rel(bundled_gguf()), *host,
+            return [rel(llama_server_bin()), "-m", rel(bundled_gguf()), *host,
                     "--alias", "smollm2", "-np", str(concurrency), "-c", str(max_model_len * concurrency),
                     "-t", "2", "-tb", "2", "-b", "512", "--cont-batching", "--no-webui"]
         raise ValueError(f"{self.engine} has no server.")
