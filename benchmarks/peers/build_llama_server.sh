@@ -23,7 +23,13 @@
 #              machine without network, then exit.
 #
 # Environment: JOBS (compile jobs, default 2), LLAMA_CPP_PYTHON_VERSION
-# (default 0.3.36, the version measured so far), PYTHON (for pip download).
+# (default 0.3.36, the version measured so far), PYTHON (for pip download and
+# for finding pip-installed cuBLAS), CONFIGURE_ONLY=1 (run CMake, build nothing).
+#
+# CUDA: cuBLAS is taken from beside nvcc, else from pip wheels (site-packages/
+# nvidia/*/include/cublas_v2.h, as in images whose CUDA libraries are Python
+# packages); libcuda from the driver's folders or the toolkit's stubs, else the
+# build sets GGML_CUDA_NO_VMM=ON.
 # The build folder is kept, so a second run only relinks.
 #
 # x86 CPUs: -march=native minus AMX.  With AMX, ggml's Q4_1 matmul dies with
@@ -112,6 +118,39 @@ fi
 if [ $cuda = 1 ]; then
     command -v nvcc >/dev/null || [ -n "${CUDACXX:-}" ] || { echo "--cuda needs nvcc on PATH or CUDACXX" >&2; exit 1; }
     args+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+    nvcc_bin="$(command -v nvcc || echo "$CUDACXX")"
+    toolkit="$(cd "$(dirname "$(readlink -f "$nvcc_bin")")/.." && pwd)"
+    # cuBLAS from pip wheels (nvidia/cu13 or nvidia/cublas under site-packages) when the toolkit lacks it,
+    # as in images whose CUDA libraries are Python packages: CMake's FindCUDAToolkit looks only beside nvcc.
+    if ! ls "$toolkit"/include/cublas_v2.h "$toolkit"/targets/*/include/cublas_v2.h >/dev/null 2>&1; then
+        hdr="$("$PY" - <<'PYEOF' 2>/dev/null || true
+import glob, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+hits = [h for r in roots for h in glob.glob(f"{r}/nvidia/*/include/cublas_v2.h")]
+print(hits[0] if hits else "")
+PYEOF
+)"
+        if [ -n "$hdr" ]; then
+            pipcuda="$(dirname "$(dirname "$hdr")")"
+            lib="$(ls -d "$pipcuda"/lib "$pipcuda"/lib64 2>/dev/null | head -1 || true)"
+            log "cuBLAS from $pipcuda"
+            args+=(-DCUDA_cublas_LIBRARY="$(ls "$lib"/libcublas.so* 2>/dev/null | head -1 || true)"
+                   -DCUDA_cublasLt_LIBRARY="$(ls "$lib"/libcublasLt.so* 2>/dev/null | head -1 || true)"
+                   -DCMAKE_CUDA_FLAGS="-I$pipcuda/include")
+            NO_AMX="${NO_AMX:-} -I$pipcuda/include"
+            args+=(-DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX")
+            export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+    fi
+    # libcuda (the driver) for ggml's virtual-memory pool; without one, build with GGML_CUDA_NO_VMM.
+    driver="$(ls /usr/local/nvidia/lib64/libcuda.so* /usr/lib/x86_64-linux-gnu/libcuda.so* \
+              "$toolkit"/lib64/stubs/libcuda.so "$toolkit"/targets/*/lib/stubs/libcuda.so 2>/dev/null | head -1 || true)"
+    if [ -n "$driver" ]; then
+        args+=(-DCUDA_cuda_driver_LIBRARY="$driver")
+    else
+        log "no libcuda found: building with GGML_CUDA_NO_VMM=ON"
+        args+=(-DGGML_CUDA_NO_VMM=ON)
+    fi
 fi
 if ! command -v cmake >/dev/null; then
     echo "cmake is not installed: pip install cmake (into any venv on PATH)" >&2
@@ -123,6 +162,7 @@ command -v ninja >/dev/null && gen=(-G Ninja)
 log "configuring ($([ $cuda = 1 ] && echo CUDA sm_90 || echo CPU)) in $out"
 cmake -S "$SRC" -B "$out" "${gen[@]}" "${args[@]}" > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log" >&2; exit 1; }
+[ "${CONFIGURE_ONLY:-0}" = 1 ] && { log "configured (CONFIGURE_ONLY=1)"; exit 0; }
 log "building llama-server with $JOBS jobs (log: $out/build.log)"
 cmake --build "$out" --target llama-server -j "$JOBS" > "$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; exit 1; }
