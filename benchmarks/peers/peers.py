@@ -94,8 +94,9 @@ class Peer:
         return "GGUF Q4_1" if self.engine.startswith("llama") else "HF copy of the GGUF, dequantized (fp32 file)"
 
     def tokenizer(self) -> str:
-        """What `tokenmill bench serve --tokenizer` reads for this peer (the same vocabulary either way)."""
-        return rel(bundled_gguf()) if self.gguf else rel(HF_MODEL)
+        """What `tokenmill bench serve --tokenizer` reads for this peer (the same vocabulary either way): the
+        HF copy, or the bundled GGUF for the GGUF peers and where the HF copy was not made."""
+        return rel(bundled_gguf()) if self.gguf or not HF_MODEL.is_dir() else rel(HF_MODEL)
 
     def server_argv(self, port: int, concurrency: int, max_model_len: int) -> list[str]:
         """The server command line (argv) listening on 127.0.0.1:`port`."""
