@@ -130,7 +130,7 @@ def omp_wait_policy() -> str | None:
 # libgomp's spin rounds before a waiting thread sleeps, the engine core's default: long enough to bridge
 # the gaps between the parallel regions of one decode step, short enough that a thread whose teammate
 # lost its core soon yields it (docs/benchmarks.md, "OpenMP wait policy at concurrency 1").
-DEFAULT_GOMP_SPINCOUNT = 10000
+DEFAULT_GOMP_SPINCOUNT = 30000
 
 
 def gomp_spincount() -> str | None:
