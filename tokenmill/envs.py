@@ -122,9 +122,21 @@ def cpu_adaptive_threads() -> bool:
 
 
 def omp_wait_policy() -> str | None:
-    """OMP_WAIT_POLICY as the user set it (None when unset); the engine core process defaults it to PASSIVE
-    (`engine/core_proc.py`)."""
+    """OMP_WAIT_POLICY as the user set it (None when unset). When it and GOMP_SPINCOUNT are both unset, the
+    engine core process sets GOMP_SPINCOUNT=`DEFAULT_GOMP_SPINCOUNT` (`engine/core_proc.py`)."""
     return get_str("OMP_WAIT_POLICY")
+
+
+# libgomp's spin rounds before a waiting thread sleeps, the engine core's default: long enough to bridge
+# the gaps between the parallel regions of one decode step, short enough that a thread whose teammate
+# lost its core soon yields it (docs/benchmarks.md, "OpenMP wait policy at concurrency 1").
+DEFAULT_GOMP_SPINCOUNT = 30000
+
+
+def gomp_spincount() -> str | None:
+    """GOMP_SPINCOUNT as the user set it (None when unset): libgomp's spin rounds before a waiting thread
+    sleeps (`engine/core_proc.py` defaults it to `DEFAULT_GOMP_SPINCOUNT` when OMP_WAIT_POLICY is unset too)."""
+    return get_str("GOMP_SPINCOUNT")
 
 
 def cpu_gguf_kernels() -> bool:

@@ -27,6 +27,15 @@ MAX_MODEL_LEN = 1024
 EOS_IDS = (0, 2)
 
 
+def llama_server_bin() -> Path:
+    """llama.cpp's `llama-server`: $LLAMA_SERVER, else setup_peers.sh's venv copy, else the build of
+    build_llama_server.sh (.build/llama-server-cpu/bin/llama-server)."""
+    if env := os.environ.get("LLAMA_SERVER"):
+        return Path(env)
+    venv = VENVS / "llamaserver" / "bin" / "llama-server"
+    return venv if venv.is_file() else ROOT / ".build" / "llama-server-cpu" / "bin" / "llama-server"
+
+
 def rel(path: Path | str) -> str:
     """`path` relative to the repository root when it lies inside it."""
     p = Path(os.path.abspath(path))  # not resolve(): a venv's python is a symlink that must stay one
@@ -85,8 +94,9 @@ class Peer:
         return "GGUF Q4_1" if self.engine.startswith("llama") else "HF copy of the GGUF, dequantized (fp32 file)"
 
     def tokenizer(self) -> str:
-        """What `tokenmill bench serve --tokenizer` reads for this peer (the same vocabulary either way)."""
-        return rel(bundled_gguf()) if self.gguf else rel(HF_MODEL)
+        """What `tokenmill bench serve --tokenizer` reads for this peer (the same vocabulary either way): the
+        HF copy, or the bundled GGUF for the GGUF peers and where the HF copy was not made."""
+        return rel(bundled_gguf()) if self.gguf or not HF_MODEL.is_dir() else rel(HF_MODEL)
 
     def server_argv(self, port: int, concurrency: int, max_model_len: int) -> list[str]:
         """The server command line (argv) listening on 127.0.0.1:`port`."""
@@ -117,7 +127,7 @@ class Peer:
         if self.engine == "llamaserver":
             # llama.cpp's own server (what Ollama runs): -np slots share -c
             # tokens of context, so each slot gets max_model_len.
-            return [rel(VENVS / "llamaserver" / "bin" / "llama-server"), "-m", rel(bundled_gguf()), *host,
+            return [rel(llama_server_bin()), "-m", rel(bundled_gguf()), *host,
                     "--alias", "smollm2", "-np", str(concurrency), "-c", str(max_model_len * concurrency),
                     "-t", "2", "-tb", "2", "-b", "512", "--cont-batching", "--no-webui"]
         raise ValueError(f"{self.engine} has no server.")

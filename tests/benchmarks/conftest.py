@@ -41,7 +41,9 @@ class FakeOpenAIServer:
     Prompts containing FAIL get HTTP 500; STREAMERR gets one chunk then an
     error object in the stream. Prompts containing PAIRS get two tokens per
     chunk. With `stream_options.continuous_usage_stats` every content chunk
-    carries the cumulative usage. Request bodies are kept in `bodies`.
+    carries the cumulative usage, unless the prompt contains NOUSAGE or
+    TOKENIDS; TOKENIDS chunks carry their `token_ids` instead. Request bodies
+    are kept in `bodies`.
     """
 
     first_delay_s = 0.03
@@ -75,12 +77,15 @@ class FakeOpenAIServer:
         await asyncio.sleep(self.first_delay_s)
         n = body["max_tokens"]
         per_chunk = 2 if "PAIRS" in prompt else 1
-        continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+        continuous = ((body.get("stream_options") or {}).get("continuous_usage_stats")
+                      and "NOUSAGE" not in prompt and "TOKENIDS" not in prompt)
         for i in range(0, n, per_chunk):
             if i:
                 await asyncio.sleep(self.gap_s)
             k = min(per_chunk, n - i)
             choice = {"index": 0, "delta": {"content": "tok " * k}} if chat else {"index": 0, "text": "tok " * k}
+            if "TOKENIDS" in prompt:
+                choice["token_ids"] = list(range(i, i + k))
             chunk = {"choices": [choice]}
             if continuous:
                 chunk["usage"] = {"prompt_tokens": len(prompt.split()), "completion_tokens": i + k,

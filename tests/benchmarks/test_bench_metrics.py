@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from tokenmill.benchmarks.datasets import SampleRequest
@@ -116,12 +119,14 @@ def test_parse_lists():
 
 def test_peaks():
     a = _out(0.1, 0.5, 5, [0.1] * 4, start_time=10.0)  # chunks at 0.1 .. 0.5 s -> 5 in the first second
-    b = _out(0.9, 1.5, 3, [0.2, 0.2], start_time=10.2)  # chunks at 1.1, 1.3, 1.5 s
+    b = _out(0.9, 2.5, 3, [0.2, 1.4], start_time=10.2)  # chunks at 1.1, 1.3, 2.7 s
     c = _out(0.2, 1.0, 2, [0.1], start_time=10.5)  # in flight [10.5, 11.5)
     failed = RequestFuncOutput(success=False, start_time=10.0, latency=5.0)
+    # windows [0, 1) and [1, 2.7] (the partial last window merged into the one before): 5 / 1, 3 / 1.7
     assert peak_output_rate([a, b, failed]) == 5.0
-    assert peak_output_rate([a, b], bucket_s=2.0) == 4.0  # 8 chunks over [0, 2) s
-    # a [10.0, 10.5), b [10.2, 11.7), c [10.5, 11.5): a ends as c starts -> at most 2 at once
+    assert peak_output_rate([a, b], bucket_s=2.0) == pytest.approx(8 / 2.7)  # shorter than 2 windows: one
+    assert peak_output_rate([a], bucket_s=2.0) == pytest.approx(5 / 0.5)  # a run shorter than one window
+    # a [10.0, 10.5), b [10.2, 12.7), c [10.5, 11.5): a ends as c starts -> at most 2 at once
     assert peak_concurrency([a, b, c, failed]) == 2
     m = calculate_metrics([SampleRequest("p", 1, 5)] * 3, [a, b, c], 2.0, None, [50])
     d = metrics_to_dict(m, ["ttft"])
@@ -135,15 +140,52 @@ def _chunks(itl: list[float], ttft: float, output_tokens: int, **kw) -> RequestF
                              output_tokens=output_tokens, **kw)
 
 
-def test_peak_counts_tokens_per_chunk():
-    # Under load one stream chunk holds several tokens. a: chunks at 0.1, 0.2, 0.3 s carrying 4, 3, 1
-    # tokens (reported per chunk); b: chunks at 0.5, 1.5 s, no per-chunk counts, usage says 6 -> 3 + 3.
-    a = _chunks([0.1, 0.1], ttft=0.1, chunk_tokens=[4, 3, 1], output_tokens=8)
-    b = _chunks([1.0], ttft=0.5, output_tokens=6)
-    assert chunk_token_counts(a).tolist() == [4, 3, 1]
-    assert chunk_token_counts(b).tolist() == [3, 3]
-    assert peak_output_rate([a, b]) == 11.0  # 4 + 3 + 1 + 3 in [0, 1) s; one per chunk would say 4
-    # A request's chunk counts add up to its usage: 7 tokens over 3 chunks -> [3, 2, 2].
-    assert chunk_token_counts(_chunks([0.1, 0.1], ttft=0.1, output_tokens=7)).tolist() == [3, 2, 2]
-    # No usage at all: one token per chunk (vLLM's rule).
-    assert chunk_token_counts(_chunks([0.1, 0.1], ttft=0.1, output_tokens=0)).tolist() == [1, 1, 1]
+def test_chunk_token_count_sources(word_tokenizer):
+    # what the chunks say (per-chunk usage, token ids or logprobs, recorded by send_request) wins
+    assert chunk_token_counts(_chunks([0.1, 0.1], 0.1, 8, chunk_tokens=[4, 3, 1])).tolist() == [4, 3, 1]
+    # chunks that say nothing: the tokenizer counts their text; the chunk that says keeps its count
+    said_some = _chunks([0.1, 0.1], 0.1, 0, chunk_tokens=[-1, 5, -1], chunk_texts=["w1 w2 w3", "w4", "w5 w6"])
+    assert chunk_token_counts(said_some, tokenizer=word_tokenizer).tolist() == [3, 5, 2]
+    assert chunk_token_counts(said_some).tolist() == [1, 5, 1]  # no tokenizer: one token each
+    # the counts add up to the request's output length: 7 tokens over 3 silent chunks -> 7/3 each
+    assert chunk_token_counts(_chunks([0.1, 0.1], 0.1, 7)).tolist() == pytest.approx([7 / 3] * 3)
+    assert chunk_token_counts(said_some, 20, word_tokenizer).tolist() == pytest.approx([6, 10, 4])
+    # nothing known at all: one token per chunk (vLLM's rule)
+    assert chunk_token_counts(_chunks([0.1, 0.1], 0.1, 0)).tolist() == [1, 1, 1]
+
+
+def test_peak_counts_tokens_per_chunk(word_tokenizer):
+    """A synthetic trace where chunks carry several tokens: one token per chunk put the peak below the mean."""
+    # a: chunks at 0.2, 0.4, 0.6, 2.5 s whose token ids number 1, 4, 4, 1 (no usage in the stream)
+    a = _chunks([0.2, 0.2, 1.9], ttft=0.2, output_tokens=0, chunk_tokens=[1, 4, 4, 1],
+                chunk_texts=["w1", "w2 w3 w4 w5", "w6 w7 w8 w9", "w10"],
+                generated_text="w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
+    # b: chunks at 0.5, 1.5, 2.6, 3.0 s that say nothing; their texts hold 3, 1, 2, 1 tokens
+    b = _chunks([1.0, 1.1, 0.4], ttft=0.5, output_tokens=0, chunk_tokens=[-1] * 4,
+                chunk_texts=["w1 w2 w3", "w4", "w5 w6", "w7"], generated_text="w1 w2 w3 w4 w5 w6 w7")
+    reqs = [SampleRequest("p", 1, 10), SampleRequest("p", 1, 7)]
+    m = calculate_metrics(reqs, [a, b], 3.0, word_tokenizer, [50])
+    assert m.total_output == 17 and m.output_throughput == pytest.approx(17 / 3)
+    # [0, 1) s: 1 + 4 + 4 from a, 3 from b = 12; [1, 2): 1; [2, 3]: 1 + 2 + 1 = 4
+    assert m.max_output_tokens_per_s == pytest.approx(12.0)
+    # one token per chunk would say 4 in [0, 1) s: below the mean of 5.67
+    blind = [dataclasses.replace(o, chunk_tokens=[], chunk_texts=[]) for o in (a, b)]
+    assert peak_output_rate(blind) == pytest.approx(4.0)
+    assert m.max_output_tokens_per_s >= m.output_throughput
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_peak_is_never_below_the_mean(seed):
+    """Random traces with multi-token chunks and runs of any length: peak >= mean output throughput."""
+    rng = np.random.default_rng(seed)
+    outs, reqs = [], []
+    for _ in range(int(rng.integers(1, 12))):
+        n = int(rng.integers(1, 20))
+        carried = rng.integers(1, 6, size=n).tolist()
+        outs.append(_chunks(rng.exponential(0.3, size=n - 1).tolist(), ttft=float(rng.uniform(0.01, 2.0)),
+                            output_tokens=sum(carried), chunk_tokens=carried, start_time=float(rng.uniform(0, 3))))
+        reqs.append(SampleRequest("p", 1, sum(carried)))
+    t0 = min(o.start_time for o in outs)
+    duration = max(o.start_time + o.latency for o in outs) - t0  # the benchmark lasts at least this long
+    m = calculate_metrics(reqs, outs, duration, None, [50])
+    assert m.max_output_tokens_per_s >= m.output_throughput * (1 - 1e-9)

@@ -104,18 +104,22 @@ def test_arrival_times_mean_gap_and_burstiness():
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_send_request_counts_tokens_per_chunk(fake_server, chat):
-    """Multi-token chunks: per-chunk usage gives each chunk's token count, so the peak counts tokens."""
+@pytest.mark.parametrize("prompt, said", [("PAIRS of tokens", [2, 2, 1]), ("PAIRS TOKENIDS", [2, 2, 1]),
+                                          ("PAIRS NOUSAGE", [-1, -1, -1])])
+def test_send_request_counts_tokens_per_chunk(fake_server, chat, prompt, said):
+    """Multi-token chunks: per-chunk usage, else the chunk's token ids, give each chunk's token count;
+    a chunk that says neither is marked -1 and keeps its text for the tokenizer."""
     import asyncio
 
     import aiohttp
 
     async def one() -> serve.RequestFuncOutput:
-        body = serve.build_payload("PAIRS of tokens", 5, "fake", chat, {})
+        body = serve.build_payload(prompt, 5, "fake", chat, {})
         path = "/v1/chat/completions" if chat else "/v1/completions"
         async with aiohttp.ClientSession() as session:
             return await serve.send_request(session, fake_server.url + path, body, chat)
 
     out = asyncio.run(one())
     assert out.success and out.num_chunks == 3 and out.output_tokens == 5
-    assert out.chunk_tokens == [2, 2, 1]
+    assert out.chunk_tokens == said
+    assert out.chunk_texts == ["tok tok ", "tok tok ", "tok "]

@@ -42,8 +42,10 @@ class RequestFuncOutput:
     itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
     latency: float = 0.0  # send -> end of stream
     num_chunks: int = 0  # content chunks received
-    # tokens each content chunk carried, aligned with [ttft, *itl]; empty = not reported (see chunk_token_counts)
+    # tokens each content chunk carried, aligned with [ttft, *itl]; -1 = this chunk did not say (see
+    # chunk_token_counts); empty = no chunk said
     chunk_tokens: list[int] = field(default_factory=list)
+    chunk_texts: list[str] = field(default_factory=list)  # each content chunk's text, aligned with [ttft, *itl]
     prompt_tokens: int = 0  # server usage.prompt_tokens; 0 = not reported
     output_tokens: int = 0  # server usage.completion_tokens; 0 = not reported
     error: str = ""
@@ -73,7 +75,7 @@ class BenchmarkMetrics:
     stats: dict[str, MetricStats]  # metric key (ttft, tpot, itl, e2el) -> stats
     input_lens: list[int]  # per request (0 for failed ones)
     output_lens: list[int]  # per request (0 for failed ones)
-    max_output_tokens_per_s: float = 0.0  # most output tokens received in any 1 s bucket of the run
+    max_output_tokens_per_s: float = 0.0  # most output tokens per second in one 1 s window (peak_output_rate)
     max_concurrent_requests: int = 0  # most requests in flight at one instant
 
 
@@ -133,50 +135,86 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def chunk_token_counts(out: RequestFuncOutput) -> np.ndarray:
-    """Tokens carried by each content chunk of one request: `[num_chunks]` int64.
+def chunk_token_counts(out: RequestFuncOutput, output_tokens: int = 0, tokenizer: Any | None = None) -> np.ndarray:
+    """Tokens carried by each content chunk of one request: `[num_chunks]` float64.
 
     Under load one stream chunk often carries several tokens, so counting
-    chunks (as vLLM's `bench serve` does) understates the peak. The rule:
+    chunks (as vLLM's `bench serve` does) puts the peak below the mean. The
+    rule, per chunk:
 
-    - the server reported per-chunk usage (`stream_options.continuous_usage_stats`,
-      which `send_request` asks for): each chunk counts the increase of
-      `usage.completion_tokens` since the previous content chunk (tokens of
-      text-less chunks go to the next content chunk), exact;
-    - otherwise one token per chunk, and the tokens the final usage reports
-      beyond the chunk count are spread evenly over the chunks (the first
-      chunks take the remainder), so the sum always equals `output_tokens`
-      when the server reports usage.
+    1. what the chunk itself says (`send_request` records it): the rise of the
+       cumulative `usage.completion_tokens` when the server reports usage per
+       chunk (`stream_options.continuous_usage_stats`, which the client asks
+       for), else the length of its `token_ids`, else the number of its
+       logprobs entries; tokens of text-less chunks go to the next content
+       chunk;
+    2. otherwise the token count of the chunk's text under `tokenizer` (at
+       least 1);
+    3. otherwise 1.
 
-    Example: 3 chunks, no per-chunk usage, usage says 7 tokens -> `[3, 2, 2]`.
-    The chunks are those timed by `[ttft, *itl]`, so a successful request has
-    at least one.
+    Then, when the request's output length is known (`output_tokens`, else
+    the server's final `usage.completion_tokens`), the counts are scaled so
+    that they add up to it: the peak and the mean output throughput count the
+    same tokens.
+
+    Example: 3 chunks that say nothing, no tokenizer, usage says 7 tokens ->
+    `[7/3, 7/3, 7/3]`; chunk ids of lengths 4, 3, 1 -> `[4, 3, 1]`. The chunks
+    are those timed by `[ttft, *itl]`, so a successful request has at least one.
     """
     n = len(out.itl) + 1
-    if len(out.chunk_tokens) == n:
-        return np.asarray(out.chunk_tokens, dtype=np.int64)
-    extra = max(out.output_tokens - n, 0)
-    counts = np.full(n, 1 + extra // n, dtype=np.int64)
-    counts[: extra % n] += 1  # [1, 1, 1] + 4 extra -> [3, 2, 2]
+    said = np.asarray(out.chunk_tokens if len(out.chunk_tokens) == n else [-1] * n, dtype=np.float64)
+    counts = np.ones(n, dtype=np.float64)
+    unknown = said < 0
+    if unknown.any() and tokenizer is not None and len(out.chunk_texts) == n:
+        counts[unknown] = [max(1, len(tokenizer.encode(out.chunk_texts[i], add_special_tokens=False)))
+                           for i in np.flatnonzero(unknown)]
+    counts[~unknown] = said[~unknown]
+    total = output_tokens or out.output_tokens
+    if total > 0 and counts.sum() > 0:
+        counts *= total / counts.sum()
     return counts
 
 
-def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0) -> float:
-    """Most output tokens received in one `bucket_s` window (from the first send), per second.
+def peak_output_rate(outputs: list[RequestFuncOutput], bucket_s: float = 1.0,
+                     output_lens: list[int] | None = None, tokenizer: Any | None = None) -> float:
+    """Most output tokens per second in one `bucket_s` window of the run (windows start at the first send).
 
     Chunk times are `start_time + ttft + cumsum(itl)`; each chunk weighs the
-    tokens it carried (`chunk_token_counts`), so the peak is comparable with
-    the mean output throughput. Differs from vLLM's "peak output token
-    throughput", which counts one token per chunk.
+    tokens it carried (`chunk_token_counts`, scaled to `output_lens[i]` when
+    given). The run's last window is partial: it is merged into the one
+    before it (a run shorter than one window is one window of its own
+    length), and each window's tokens are divided by its length. The windows
+    then tile the run, so the largest rate is at least the run's average
+    (all tokens / time to the last chunk), which is at least the mean output
+    throughput (all tokens / benchmark duration). Differs from vLLM's "peak
+    output token throughput", which counts one token per chunk in whole
+    1-second buckets.
+
+    Args:
+        outputs: per-request results; failed ones are ignored.
+        bucket_s: window length in seconds, > 0.
+        output_lens: per request, the output tokens the mean counts (0 =
+            unknown); parallel to `outputs`.
+        tokenizer: counts the tokens of chunks whose count the stream did not say.
     """
-    ok = [o for o in outputs if o.success]
+    ok = [(o, (output_lens[i] if output_lens else 0)) for i, o in enumerate(outputs) if o.success]
     if not ok:
         return 0.0
-    t0 = min(o.start_time for o in ok)
+    t0 = min(o.start_time for o, _ in ok)
     # [ttft, gap1, gap2] -> [ttft, ttft+gap1, ttft+gap1+gap2] seconds after the request's send
-    times = np.concatenate([o.start_time - t0 + np.cumsum([o.ttft, *o.itl]) for o in ok])
-    weights = np.concatenate([chunk_token_counts(o) for o in ok])
-    return float(np.bincount((times // bucket_s).astype(np.int64), weights=weights).max() / bucket_s)
+    times = np.concatenate([o.start_time - t0 + np.cumsum([o.ttft, *o.itl]) for o, _ in ok])
+    weights = np.concatenate([chunk_token_counts(o, n, tokenizer) for o, n in ok])
+    end = float(times.max())
+    if end <= 0.0:
+        return float(weights.sum() / bucket_s)
+    last = int(end // bucket_s)  # index of the (partial) last window
+    if last == 0:
+        return float(weights.sum() / end)
+    per_window = np.bincount(np.minimum((times // bucket_s).astype(np.int64), last - 1), weights=weights,
+                             minlength=last)
+    lengths = np.full(last, bucket_s)
+    lengths[-1] = end - (last - 1) * bucket_s  # the last whole window plus the partial one
+    return float((per_window / lengths).max())
 
 
 def peak_concurrency(outputs: list[RequestFuncOutput]) -> int:
@@ -257,7 +295,7 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestFuncOu
         stats={k: _stats(v, percentiles) for k, v in samples.items()},
         input_lens=input_lens,
         output_lens=output_lens,
-        max_output_tokens_per_s=peak_output_rate(outputs),
+        max_output_tokens_per_s=peak_output_rate(outputs, output_lens=output_lens, tokenizer=tokenizer),
         max_concurrent_requests=peak_concurrency(outputs),
     )
 

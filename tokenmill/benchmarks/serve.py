@@ -151,13 +151,32 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+def _chunk_token_ids_count(chunk: dict[str, Any]) -> int | None:
+    """Tokens one stream chunk says it carries: its `token_ids` (vLLM's `return_token_ids`), else its
+    logprobs entries (chat `logprobs.content`, completions `logprobs.tokens`); None when it says neither."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    if isinstance(choice.get("token_ids"), list):
+        return len(choice["token_ids"])
+    logprobs = choice.get("logprobs") or {}
+    for key in ("content", "tokens"):
+        if isinstance(logprobs.get(key), list):
+            return len(logprobs[key])
+    return None
+
+
 async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat: bool,
                        pbar: Any | None = None) -> RequestFuncOutput:
     """POST one streaming request and time its SSE chunks.
 
     A chunk counts as a token event when it carries text; the first one sets
-    TTFT, each later one adds an ITL gap. With per-chunk usage from the
-    server, `chunk_tokens` records how many tokens each such chunk carried. A non-200 status, an `error`
+    TTFT, each later one adds an ITL gap. `chunk_texts` keeps each such
+    chunk's text and `chunk_tokens` the tokens it says it carried (per-chunk
+    usage, else its token ids or logprobs; -1 when it says nothing; tokens of
+    text-less chunks go to the next one): `chunk_token_counts` turns them
+    into the peak metric's weights. A non-200 status, an `error`
     object in the stream, a broken connection or a stream without any text
     marks the request failed, with the reason in `error`.
     """
@@ -170,6 +189,7 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
     start = last = out.start_time = time.perf_counter()
     reported: int | None = None  # cumulative completion tokens, when the server reports usage per chunk
     counted = 0  # of those, tokens already given to a content chunk
+    pending = 0  # tokens (by ids / logprobs) of text-less chunks since the last content chunk
     try:
         async with session.post(api_url, json=payload, headers=headers) as resp:
             if resp.status != 200:
@@ -190,10 +210,17 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
                     usage = chunk.get("usage")
                     if usage and chunk.get("choices"):  # per-chunk (continuous) usage: cumulative counts
                         reported = int(usage.get("completion_tokens") or 0)
+                    said = _chunk_token_ids_count(chunk)
                     if text := _chunk_text(chunk, chat):
                         if reported is not None:
                             out.chunk_tokens.append(reported - counted)
                             counted = reported
+                        elif said is not None:
+                            out.chunk_tokens.append(said + pending)
+                        else:
+                            out.chunk_tokens.append(-1)
+                        pending = 0
+                        out.chunk_texts.append(text)
                         if out.num_chunks == 0:
                             out.ttft = now - start
                         else:
@@ -201,11 +228,13 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
                         last = now
                         out.num_chunks += 1
                         out.generated_text += text
+                    elif said is not None:
+                        pending += said
                     if usage:
                         out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
                 out.latency = time.perf_counter() - start
-                if out.chunk_tokens:  # tokens after the last content chunk (e.g. a text-less final token)
+                if reported is not None and out.chunk_tokens:  # tokens after the last content chunk
                     out.chunk_tokens[-1] += max(out.output_tokens - sum(out.chunk_tokens), 0)
                 if not out.error and out.num_chunks == 0:
                     out.error = "the stream ended without any generated text"

@@ -137,11 +137,14 @@ def _build_core(engine_config: EngineConfig, num_threads: int, out_sock: zmq.Soc
         # Before torch loads (the core's import does it): its thread pools
         # read this; set_num_threads below covers a torch already loaded.
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
-        # Threads waiting between parallel regions sleep instead of spinning (libgomp's default spins
-        # ~300k rounds): a spinning thread holds the core a descheduled teammate needs when another
-        # process shares the CPUs (docs/benchmarks.md, "CPU threads under a CPU hog").
-        if envs.omp_wait_policy() is None:
-            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        # Threads waiting between parallel regions spin 30k rounds, then sleep. libgomp's default
+        # (~300k rounds) holds the core a descheduled teammate needs when another process shares the
+        # CPUs (docs/benchmarks.md, "CPU threads under a CPU hog"); sleeping at once (PASSIVE) pays a
+        # futex wake per region: served at concurrency 1, SmolLM2 Q4_1 decoded at 29 tok/s instead of
+        # 52 ("OpenMP wait policy at concurrency 1"). Under a hog the worker drops to 1 thread
+        # (`worker/cpu_threads.py`), where no thread waits.
+        if envs.omp_wait_policy() is None and envs.gomp_spincount() is None:
+            os.environ["GOMP_SPINCOUNT"] = str(envs.DEFAULT_GOMP_SPINCOUNT)
         module_name, class_name = core_class.split(":")
         cls = getattr(importlib.import_module(module_name), class_name)
         if "torch" in sys.modules:

@@ -111,6 +111,8 @@ class _Plan:
     # ... with the C kernel instead of block_decode: [B] int64 block-table row and key count of each.
     decode_reqs: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
+    decode_rows: cpu_decode.DecodeRows | None = None  # the same rows converted for the kernel, once per step
+    slots_valid: bool | None = None  # CPU: no padding slot (-1) among the step's slots; None = not yet checked
 
 
 class TorchSDPABackend:
@@ -174,7 +176,6 @@ class TorchSDPABackend:
         fp8 = is_fp8(kv_cache.dtype)
         if not fp8:
             k_scale = v_scale = 1.0
-        write_kv_cache(key[:n], value[:n], kv_cache, attn_metadata.slot_mapping[:n], k_scale, v_scale)
         from_cache = (self.decode_from_cache and query.device.type == "cpu" and query.dtype in _BLOCK_DECODE_DTYPES
                       and (query.dtype == kv_cache.dtype or fp8))
         kernel = None
@@ -185,6 +186,10 @@ class TorchSDPABackend:
             from_cache = False  # block_decode reads 16/32-bit caches only: gather and cast instead
         plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
                               kernel is not None)
+        slots = attn_metadata.slot_mapping[:n]
+        if plan.slots_valid is None and slots.device.type == "cpu":  # once per step, not per layer
+            plan.slots_valid = slots.numel() == 0 or int(slots.min()) >= 0
+        write_kv_cache(key[:n], value[:n], kv_cache, slots, k_scale, v_scale, all_valid=bool(plan.slots_valid))
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
@@ -192,10 +197,9 @@ class TorchSDPABackend:
         out = torch.empty_like(query)
         out[int(attn_metadata.query_start_loc_cpu[attn_metadata.num_reqs]) :].zero_()
         if plan.decode_reqs is not None:
-            assert kernel is not None and plan.decode_tokens is not None and plan.decode_seq_lens is not None
-            cpu_decode.paged_decode_attention(kernel, query, kv_cache, attn_metadata.block_table, plan.decode_reqs,
-                                              plan.decode_tokens, plan.decode_seq_lens, scale, out,
-                                              sliding_window, logits_soft_cap, k_scale, v_scale)
+            assert kernel is not None and plan.decode_rows is not None
+            cpu_decode.decode_rows_attention(kernel, query, kv_cache, plan.decode_rows, scale, out, sliding_window,
+                                             logits_soft_cap, k_scale, v_scale)
         if plan.block_decode is not None:
             assert plan.decode_tokens is not None
             o = block_decode_attention(query, kv_cache, plan.block_decode, scale, logits_soft_cap, sinks)  # 16/32-bit
@@ -250,6 +254,8 @@ class TorchSDPABackend:
             plan.decode_reqs = torch.from_numpy(decodes.astype(np.int64))
             plan.decode_tokens = torch.from_numpy(qsl[decodes])
             plan.decode_seq_lens = torch.from_numpy(seq_lens[decodes])
+            plan.decode_rows = cpu_decode.decode_rows(md.block_table, plan.decode_reqs, plan.decode_tokens,
+                                                      plan.decode_seq_lens)
         elif len(decodes) and from_cache:  # CPU: the block table is host memory, .numpy() is free
             plan.block_decode = plan_block_decode(md.block_table.numpy(), decodes, qsl[decodes], seq_lens[decodes],
                                                   block_size, window)
@@ -344,19 +350,20 @@ def _plan_tiles(
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                   k_scale: float = 1.0, v_scale: float = 1.0, all_valid: bool = False) -> None:
     """Store each token's K/V at its slot; slot -1 (padding) is skipped.
 
     key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D];
     slot_mapping: [T] int64 (slot = block_id * block_size + offset). An fp8
     cache stores key / k_scale and value / v_scale (`kernels.kv_fp8.quantize_kv`).
+    all_valid: the caller checked that no slot is -1 (the CPU path then skips its own check).
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     if slot_mapping.numel() == 0:
         return
     if slot_mapping.device.type == "cpu":
-        if int(slot_mapping.min()) < 0:
+        if not all_valid and int(slot_mapping.min()) < 0:
             valid = slot_mapping >= 0
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     else:

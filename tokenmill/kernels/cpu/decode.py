@@ -22,6 +22,7 @@ system C compiler, cached per machine); no compiler, a failed build, or
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,6 +63,40 @@ def kernel_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and head_dim <= MAX_HEAD_DIM)
 
 
+@dataclass(slots=True)
+class DecodeRows:
+    """A step's decode rows in the layout the kernel reads, converted once and shared by every layer.
+
+    table: [num_reqs, max_blocks] int32 block ids, last dim contiguous; req_idx / q_rows / seq_lens:
+    [B] int64 contiguous (see `paged_decode_attention`). The tensors stay referenced here while
+    the kernel reads their pointers.
+    """
+
+    table: torch.Tensor
+    req_idx: torch.Tensor
+    q_rows: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def decode_rows(block_table: torch.Tensor, req_idx: torch.Tensor, q_rows: torch.Tensor,
+                seq_lens: torch.Tensor) -> DecodeRows:
+    """Check and convert a step's decode rows once (`paged_decode_attention`'s index arguments).
+
+    Raises:
+        ValueError: index arrays of different lengths or not 1-D, or a block table off the CPU.
+    """
+    if not (req_idx.shape == q_rows.shape == seq_lens.shape and req_idx.dim() == 1):
+        raise ValueError(f"req_idx, q_rows and seq_lens must be [B] alike, got {tuple(req_idx.shape)}, "
+                         f"{tuple(q_rows.shape)}, {tuple(seq_lens.shape)}")
+    if block_table.device.type != "cpu":
+        raise ValueError("CPU decode kernel: the block table must be a CPU tensor")
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    req_idx, q_rows, seq_lens = (t.to(torch.int64).contiguous() for t in (req_idx, q_rows, seq_lens))
+    return DecodeRows(table, req_idx, q_rows, seq_lens)
+
+
 def paged_decode_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,
@@ -97,27 +132,35 @@ def paged_decode_attention(
         ValueError: tensors the kernel does not take (`kernel_supports`, `out`'s layout,
             index arrays of different lengths), or the score buffer could not be allocated.
     """
+    if not kernel_supports(query, kv_cache) or out.device.type != "cpu":
+        raise ValueError("CPU decode kernel: query/out must be CPU tensors of one float32/bfloat16 dtype, the "
+                         "cache in that dtype or fp8 and contiguous, contiguous heads, and shapes within its limits "
+                         "(kernel_supports)")
+    decode_rows_attention(lib, query, kv_cache, decode_rows(block_table, req_idx, q_rows, seq_lens), scale, out,
+                          window, cap, k_scale, v_scale)
+
+
+def decode_rows_attention(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows,
+                          scale: float, out: torch.Tensor, window: int | None = None, cap: float | None = None,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """`paged_decode_attention` with the step's rows from `decode_rows` (the per-layer call of a decode step).
+
+    The caller has checked `kernel_supports(query, kv_cache)` for these tensors (once per layer).
+
+    Raises:
+        ValueError: `out`'s layout, or the score buffer could not be allocated.
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if not (out.dtype == query.dtype and out.stride(2) == 1 and out.stride(1) == head_dim):
         raise ValueError(f"out must be {query.dtype} with contiguous heads, got {out.dtype} {tuple(out.stride())}")
-    if not (req_idx.shape == q_rows.shape == seq_lens.shape and req_idx.dim() == 1):
-        raise ValueError(f"req_idx, q_rows and seq_lens must be [B] alike, got {tuple(req_idx.shape)}, "
-                         f"{tuple(q_rows.shape)}, {tuple(seq_lens.shape)}")
-    if not kernel_supports(query, kv_cache) or out.device.type != "cpu" or block_table.device.type != "cpu":
-        raise ValueError("CPU decode kernel: query/out must be CPU tensors of one float32/bfloat16 dtype, the "
-                         "cache in that dtype or fp8 and contiguous, contiguous heads, and shapes within its limits "
-                         "(kernel_supports)")
-    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    if table.stride(1) != 1:
-        table = table.contiguous()
-    req_idx, q_rows, seq_lens = (t.to(torch.int64).contiguous() for t in (req_idx, q_rows, seq_lens))
     kv_fmt = kv_fp8_code(kv_cache.dtype)  # the C source's KV_FMT
     unit = kv_unit(kv_cache.dtype)
+    table = rows.table
     rc = lib.paged_decode_attention(
         query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
-        out.stride(0), table.data_ptr(), table.stride(0), req_idx.data_ptr(), q_rows.data_ptr(),
-        seq_lens.data_ptr(), req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0,
+        out.stride(0), table.data_ptr(), table.stride(0), rows.req_idx.data_ptr(), rows.q_rows.data_ptr(),
+        rows.seq_lens.data_ptr(), rows.req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0,
         scale * (k_scale * unit if kv_fmt else 1.0), cap or 0.0, int(query.dtype == torch.bfloat16), kv_fmt,
         v_scale * unit if kv_fmt else 1.0, torch.get_num_threads())
     if rc == -2:

@@ -25,7 +25,9 @@
  * The arithmetic and its roundings follow the `gguf` package's reference
  * (gguf/quants.py, itself ggml's dequantize_row_*), so the dequantized weights
  * (gguf_dequantize) are its bits; the dot products differ from a float32
- * matmul of those weights only by the summation order. Activations x are
+ * matmul of those weights only by the summation order and, at one token, by
+ * factoring each chunk's scale and offset out of its 32 products
+ * (d * (q . x) + m * sum(x); see row_dot). Activations x are
  * float32 or bfloat16 (bfloat16 is widened once per call), the sums float32.
  *
  * Speed: with AVX-512 each 32-weight chunk becomes two 16-lane float vectors
@@ -256,15 +258,123 @@ static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0
     }
     }
 }
+
+/* Types whose 32-weight chunk is one scale and one offset: w[j] = d * q[j] + m with integer-valued q[j]
+ * (Q4_0: q = nib - 8, m = 0; Q4_1: q = nib, m; Q5_0: q = nib + 16 hb - 16, m = 0; Q5_1: q = nib + 16 hb, m;
+ * Q8_0: q = qs, m = 0; Q4_K: q = nibble, d = d * sc, m = -dmin * mn). Q6_K has two scales per chunk. */
+#define FACTORED(type) ((type) != Q6_K)
+#define HAS_OFFSET(type) ((type) == Q4_1 || (type) == Q5_1 || (type) == Q4_K)
+
+/* Chunk c of a row as its integer values q (exact in float32: |q| <= 128) in two 16-lane vectors, its scale
+ * *d and offset *m (FACTORED types only). */
+static inline void chunk_qvec(int type, const uint8_t *row, int64_t c, __m512 *q0, __m512 *q1, float *d, float *m) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    *m = 0.f;
+    switch (type) {
+    case Q4_0: {
+        const uint8_t *b = row + c * 18;
+        *d = h2f(b);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
+        *q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low4), eight));
+        *q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight));
+        break;
+    }
+    case Q4_1: {
+        const uint8_t *b = row + c * 20;
+        *d = h2f(b);
+        *m = h2f(b + 2);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
+        *q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+        *q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const int one = type == Q5_1;
+        const uint8_t *b = row + c * (one ? 24 : 22);
+        *d = h2f(b);
+        if (one) *m = h2f(b + 2);
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6 + 2 * one)));
+        const __m512i sixteen = _mm512_set1_epi32(16), off = _mm512_set1_epi32(one ? 0 : 16);
+        const __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_srli_epi32(q, 4);
+        *q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_mask_add_epi32(lo, (__mmask16)(qh & 0xffffu), lo, sixteen), off));
+        *q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_mask_add_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen), off));
+        break;
+    }
+    case Q8_0: {
+        const uint8_t *b = row + c * 34;
+        *d = h2f(b);
+        *q0 = cvt16(_mm_loadu_si128((const __m128i *)(b + 2)), 1);
+        *q1 = cvt16(_mm_loadu_si128((const __m128i *)(b + 18)), 1);
+        break;
+    }
+    case Q4_K: {
+        const uint8_t *b = row + (c / 8) * 144;
+        const int i = (int)(c % 8);
+        int sc, mn;
+        q4k_scale_min(b + 4, i, &sc, &mn);
+        *d = h2f(b) * (float)sc;
+        *m = -(h2f(b + 2) * (float)mn);
+        const uint8_t *qs = b + 16 + 32 * (i / 2);
+        const __m128i sh = _mm_cvtsi32_si128(4 * (i % 2));
+        *q0 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sh), low4));
+        *q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))), sh), low4));
+        break;
+    }
+    default:
+        *q0 = *q1 = _mm512_setzero_ps();
+        *d = 0.f;
+        break;
+    }
+}
 #endif
 
 /* out[t * out_stride + r] for row r and tokens [t0, t0 + NT), x float32 [T, k] (dense). Always inlined with
  * constant type and NT, so the type switch folds away and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void row_dot(const int type, const int NT, const uint8_t *row,
-                                                          int64_t r, int64_t k, const float *x, int64_t t0,
-                                                          void *out, int64_t out_stride, int is_bf16) {
+                                                          int64_t r, int64_t k, const float *x, const float *xsum,
+                                                          int64_t t0, void *out, int64_t out_stride, int is_bf16) {
     const int64_t chunks = k / 32;
 #if defined(TM_AVX512)
+    if (FACTORED(type)) {
+        /* d * (q . x) + m * sum(x) per chunk: the scale and offset leave the 32-lane work (xsum[t * chunks + c]
+         * = sum of x's chunk c). Two chains per token (even and odd chunks) hide the FMA latency. */
+        __m512 accA[TOKENS_PER_PASS], accB[TOKENS_PER_PASS];
+        float msum[TOKENS_PER_PASS];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            accA[t] = accB[t] = _mm512_setzero_ps();
+            msum[t] = 0.f;
+        }
+        for (int64_t c = 0; c < chunks; c += 2) {
+            const int pair = c + 1 < chunks;
+            __m512 q0, q1, p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            float d, m, e = 0.f, n = 0.f;
+            chunk_qvec(type, row, c, &q0, &q1, &d, &m);
+            if (pair) chunk_qvec(type, row, c + 1, &p0, &p1, &e, &n);
+            const __m512 dv = _mm512_set1_ps(d), ev = _mm512_set1_ps(e);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const float *xt = x + (t0 + t) * k + 32 * c;
+                accA[t] = _mm512_fmadd_ps(
+                    dv, _mm512_fmadd_ps(q1, _mm512_loadu_ps(xt + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xt))), accA[t]);
+                if (HAS_OFFSET(type)) msum[t] += m * xsum[(t0 + t) * chunks + c];
+                if (pair) {
+                    accB[t] = _mm512_fmadd_ps(
+                        ev, _mm512_fmadd_ps(p1, _mm512_loadu_ps(xt + 48), _mm512_mul_ps(p0, _mm512_loadu_ps(xt + 32))),
+                        accB[t]);
+                    if (HAS_OFFSET(type)) msum[t] += n * xsum[(t0 + t) * chunks + c + 1];
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            store1(out, (t0 + t) * out_stride + r, _mm512_reduce_add_ps(_mm512_add_ps(accA[t], accB[t])) + msum[t],
+                   is_bf16);
+        return;
+    }
     /* two accumulators per token (weights 0-15 and 16-31 of a chunk): two independent FMA chains */
     __m512 acc0[TOKENS_PER_PASS], acc1[TOKENS_PER_PASS];
 #pragma GCC unroll 4
@@ -304,32 +414,33 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
 /* Rows [r0, r1) of one type, every token. */
 static inline __attribute__((always_inline)) void rows_of_type(const int type, const uint8_t *w, int64_t row_bytes,
                                                                int64_t r0, int64_t r1, int64_t k, const float *x,
-                                                               int64_t n_tokens, void *out, int64_t out_stride,
-                                                               int is_bf16) {
+                                                               const float *xsum, int64_t n_tokens, void *out,
+                                                               int64_t out_stride, int is_bf16) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
         int64_t t0 = 0;
         for (; t0 + TOKENS_PER_PASS <= n_tokens; t0 += TOKENS_PER_PASS)
-            row_dot(type, TOKENS_PER_PASS, row, r, k, x, t0, out, out_stride, is_bf16);
+            row_dot(type, TOKENS_PER_PASS, row, r, k, x, xsum, t0, out, out_stride, is_bf16);
         switch (n_tokens - t0) {
-        case 1: row_dot(type, 1, row, r, k, x, t0, out, out_stride, is_bf16); break;
-        case 2: row_dot(type, 2, row, r, k, x, t0, out, out_stride, is_bf16); break;
-        case 3: row_dot(type, 3, row, r, k, x, t0, out, out_stride, is_bf16); break;
+        case 1: row_dot(type, 1, row, r, k, x, xsum, t0, out, out_stride, is_bf16); break;
+        case 2: row_dot(type, 2, row, r, k, x, xsum, t0, out, out_stride, is_bf16); break;
+        case 3: row_dot(type, 3, row, r, k, x, xsum, t0, out, out_stride, is_bf16); break;
         default: break;
         }
     }
 }
 
 static void rows_dispatch(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
-                          const float *x, int64_t n_tokens, void *out, int64_t out_stride, int is_bf16) {
+                          const float *x, const float *xsum, int64_t n_tokens, void *out, int64_t out_stride,
+                          int is_bf16) {
     switch (type) {
-    case Q4_0: rows_of_type(Q4_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q4_1: rows_of_type(Q4_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q5_0: rows_of_type(Q5_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q5_1: rows_of_type(Q5_1, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q8_0: rows_of_type(Q8_0, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q4_K: rows_of_type(Q4_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
-    case Q6_K: rows_of_type(Q6_K, w, row_bytes, r0, r1, k, x, n_tokens, out, out_stride, is_bf16); break;
+    case Q4_0: rows_of_type(Q4_0, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q4_1: rows_of_type(Q4_1, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_0: rows_of_type(Q5_0, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q5_1: rows_of_type(Q5_1, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q8_0: rows_of_type(Q8_0, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q4_K: rows_of_type(Q4_K, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
+    case Q6_K: rows_of_type(Q6_K, w, row_bytes, r0, r1, k, x, xsum, n_tokens, out, out_stride, is_bf16); break;
     default: break;
     }
 }
@@ -350,14 +461,31 @@ int gguf_matmul(const uint8_t *w, int64_t row_bytes, int type, int64_t n_rows, i
             for (int64_t j = 0; j < k; j++) tmp[t * k + j] = load1(x, t * x_stride + j, is_bf16);
         xf = tmp;
     }
+    float *xsum = NULL; /* [T, k / 32]: each 32-element chunk's sum of x, for the offset term of FACTORED types */
+#if defined(TM_AVX512)
+    if (HAS_OFFSET(type)) {
+        const int64_t chunks = k / 32;
+        xsum = (float *)malloc(sizeof(float) * (size_t)(n_tokens * chunks));
+        if (xsum == NULL) {
+            free(tmp);
+            return -2;
+        }
+        for (int64_t t = 0; t < n_tokens; t++)
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *xc = xf + t * k + 32 * c;
+                xsum[t * chunks + c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xc), _mm512_loadu_ps(xc + 16)));
+            }
+    }
+#endif
     /* ROW_TILE rows per work item: the same rows of W meet every token while they are in L1/L2 */
     const int64_t tiles = (n_rows + ROW_TILE - 1) / ROW_TILE;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n_rows * k * n_tokens >= PARALLEL_MIN)
     for (int64_t i = 0; i < tiles; i++) {
         const int64_t r0 = i * ROW_TILE, r1 = r0 + ROW_TILE < n_rows ? r0 + ROW_TILE : n_rows;
-        rows_dispatch(type, w, row_bytes, r0, r1, k, xf, n_tokens, out, out_stride, is_bf16);
+        rows_dispatch(type, w, row_bytes, r0, r1, k, xf, xsum, n_tokens, out, out_stride, is_bf16);
     }
     free(tmp);
+    free(xsum);
     return 0;
 }
 

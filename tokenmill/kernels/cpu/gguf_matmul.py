@@ -7,7 +7,9 @@ dequantized 32 weights at a time inside the dot product, so a decode step
 reads 4.5-8.5 bits per weight instead of 32 (float32) or 16 (bfloat16).
 The dequantized weights are the `gguf` package's reference bits
 (`gguf.quants.dequantize`); products differ from a float32 matmul of them
-only in the summation order (float32 sums).
+only in the summation order (float32 sums) and, at one token, in where each
+32-weight chunk's scale and offset apply: d * (q . x) + m * sum(x) instead of
+(d * q + m) . x (same value in exact arithmetic, other float32 roundings).
 
 Built by `build.py` (system C compiler, cached per machine); without it, or
 with `TOKENMILL_CPU_KERNELS=0`, `load()` returns None and the caller
