@@ -56,9 +56,7 @@ def tiny_llama(tmp_path_factory) -> str:
 def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
     """Every loaded FP8 layer equals the FP8 reference of its tensors (the device's activation scheme), and the
     engine's greedy tokens equal transformers' on the checkpoint's weights up to near-ties."""
-    from family_utils import compare_greedy, hf_greedy
-    from fp8_checkpoints import activation_hooks, reference_fp8_state_dict, write_fp8_checkpoint
-    from transformers import AutoModelForCausalLM
+    from fp8_checkpoints import write_fp8_checkpoint
 
     from tokenmill.model_loader import get_model
 
@@ -80,27 +78,7 @@ def test_fp8_checkpoint_on_cuda(tiny_llama, tmp_path, layout):
             err = ((layer(x).cpu() - ref).abs().max() / ref.abs().max()).item()
             assert err <= LOGIT_TOL, f"{layout}, M={m}, W8A8 {_w8a8_here()}: rel err {err:.2e}"
     del model
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    hf.load_state_dict({k: v.float() for k, v in reference_fp8_state_dict(folder).items()})
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (29, 5, 17)]
-    handles = activation_hooks(hf, folder) if _w8a8_here() else []
-    try:
-        refs = [hf_greedy(hf, p, 8) for p in prompts]
-    finally:
-        for h in handles:
-            h.remove()
-    llm = LLM(folder, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-              kv_cache_memory_bytes="64M", seed=0)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    for out, (ref_tokens, ref_logits) in zip(outs, refs):
-        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
-                                    tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)
-        assert ok, f"{layout}: {msg}"
+    _assert_greedy_matches_transformers(tiny_llama, folder, layout, tmp_path / "reference")
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +92,7 @@ def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
     """The experts stay e4m3 on the GPU and run `kernels.fused_experts_fp8` (float32 and bfloat16 activations),
     equal to `fused_experts_reference` on their dequantized weights; the engine's greedy tokens (CUDA graphs)
     equal transformers' on the checkpoint's weights up to near-ties (experts weight-only on both sides)."""
-    from family_utils import compare_greedy, hf_greedy
-    from fp8_checkpoints import activation_hooks, reference_fp8_state_dict, write_fp8_checkpoint
-    from transformers import AutoModelForCausalLM
+    from fp8_checkpoints import write_fp8_checkpoint
 
     from tokenmill.layers.fused_moe.layer import FusedMoE
     from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
@@ -140,27 +116,7 @@ def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
                 assert out.dtype == dtype and err <= tol, f"{dtype}, T={t}: rel err {err:.2e}"
     del model
-    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32).eval()
-    hf.load_state_dict({k: v.float() for k, v in reference_fp8_state_dict(folder).items()})
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (29, 5, 17)]
-    handles = activation_hooks(hf, folder) if _w8a8_here() else []
-    try:
-        refs = [hf_greedy(hf, p, 8) for p in prompts]
-    finally:
-        for h in handles:
-            h.remove()
-    llm = LLM(folder, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-              kv_cache_memory_bytes="64M", seed=0)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    for out, (ref_tokens, ref_logits) in zip(outs, refs):
-        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
-                                    tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)  # the dense layers run W8A8
-        assert ok, msg
+    _assert_greedy_matches_transformers(tiny_qwen3_moe, folder, "fp8-block MoE", tmp_path / "reference")
 
 
 def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
@@ -204,3 +160,41 @@ def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.llm_engine.shutdown()
+
+
+def _assert_greedy_matches_transformers(hf_folder: str, folder: str, label: str, tmp: Path) -> None:
+    """The engine's greedy tokens (CUDA, float32, CUDA graphs) for three prompts equal transformers' on the FP8
+    checkpoint `folder`'s dequantized weights (the unquantized model's `hf_folder` config), with the same
+    activation quantization hooked in where the device runs W8A8, up to near-ties.
+
+    The reference weights are saved and loaded with from_pretrained (in `tmp`), which maps per-expert
+    checkpoint names onto transformers 5's stacked experts (load_state_dict would not)."""
+    from family_utils import compare_greedy, hf_greedy
+    from fp8_checkpoints import activation_hooks, reference_fp8_state_dict
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float().contiguous() for k, v in reference_fp8_state_dict(folder).items()},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text((Path(hf_folder) / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (29, 5, 17)]
+    handles = activation_hooks(hf, folder) if _w8a8_here() else []
+    try:
+        refs = [hf_greedy(hf, p, 8) for p in prompts]
+    finally:
+        for h in handles:
+            h.remove()
+    llm = LLM(folder, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              kv_cache_memory_bytes="64M", seed=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for out, (ref_tokens, ref_logits) in zip(outs, refs):
+        ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
+                                    tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)
+        assert ok, f"{label}: {msg}"
