@@ -160,8 +160,9 @@ def omp_num_threads() -> str | None:
 
 
 def disable_fused_kernels() -> bool:
-    """TOKENMILL_DISABLE_FUSED_KERNELS: run RMSNorm, RoPE and gated activations as PyTorch ops on CUDA
-    too (default off; for bisecting a numerical difference or a broken Triton)."""
+    """TOKENMILL_DISABLE_FUSED_KERNELS: run RMSNorm, RoPE, gated activations (the MoE's too) and MoE
+    routing as PyTorch ops on CUDA too (default off; for bisecting a numerical difference or a broken
+    Triton). The GEMM kernels (attention, fused-MoE grouped GEMMs, quantized linears) stay Triton."""
     return get_bool("TOKENMILL_DISABLE_FUSED_KERNELS", False)
 
 

@@ -43,6 +43,18 @@ def test_topk_softmax_ties_take_the_lowest_expert_and_strided_rows():
         topk_softmax(logits, 7, renormalize=True)
 
 
+def test_topk_softmax_never_repeats_an_expert_when_logits_run_out():
+    # Masked-out experts (-inf logits): after the one finite logit only -inf ones are left; each must still
+    # be chosen once (weight 0), not the finite expert again.
+    inf = float("-inf")
+    logits = torch.tensor([[0.0, inf, inf, inf, inf], [inf, 2.0, inf, 1.0, inf]])
+    weights, ids = topk_softmax(logits, 3, renormalize=False)
+    for row in ids.tolist():
+        assert len(set(row)) == 3 and all(0 <= i < 5 for i in row)
+    assert ids[0, 0] == 0 and ids[1, :2].tolist() == [1, 3]
+    assert weights[0].tolist() == [1.0, 0.0, 0.0] and weights[1, 2] == 0.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dtype", [
     (4096, 128, 8, torch.float32), (3, 128, 8, torch.bfloat16), (1000, 32, 4, torch.bfloat16),

@@ -172,6 +172,10 @@ def test_plan_thresholds_and_split_k():
     act = w._replace(g_idx=torch.zeros(4096, dtype=torch.int32))
     assert [ql.plan_quant_linear(m, 4096, act, (9, 0), 132).path for m in (2, 32, 33, 64)] == \
         ["splitk", "splitk", "tiled", "tiled"]
+    # M = 2 for weights the GEMV takes but the tensor-core GEMV does not (8-bit, group 32): the GEMV.
+    assert ql.plan_quant_linear(2, 4096, w._replace(bits=8), (9, 0), 132).path == "gemv"
+    assert ql.plan_quant_linear(2, 4096, w._replace(group_size=32), (9, 0), 132).path == "gemv"
+    assert ql.plan_quant_linear(3, 4096, w._replace(group_size=32), (9, 0), 132).path == "splitk"
     assert ql.plan_quant_linear(5, 4096, act, (9, 0), 132).use_dot
     assert ql.plan_quant_linear(17, 4096, act, (9, 0), 132).block_m == 32
     assert plan(1, 4096, (7, 0)).num_stages == 1 and plan(1, 4096, (9, 0)).block_n == ql.GEMV_BLOCK_N

@@ -82,8 +82,8 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 @functools.cache
 def _fused_kernels_available() -> bool:
     if envs.disable_fused_kernels():
-        logger.info("TOKENMILL_DISABLE_FUSED_KERNELS is set: RMSNorm, RoPE and gated activations run as "
-                    "PyTorch ops on CUDA")
+        logger.info("TOKENMILL_DISABLE_FUSED_KERNELS is set: RMSNorm, RoPE, gated activations and MoE routing "
+                    "run as PyTorch ops on CUDA")
         return False
     try:
         import triton  # noqa: F401

@@ -155,7 +155,7 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     # Divided by a tensor, not a Python number: PyTorch's CUDA division by a scalar multiplies by its
     # float32 reciprocal (1/448 is inexact), which differs from true division in the last bit for about
     # half of all inputs; the CPU and the Triton kernel (tl.div_rn) divide exactly, and all must agree.
-    return (amax.float() / torch.tensor(FP8_MAX, device=amax.device)).clamp(min=MIN_SCALE)
+    return (amax.float() / torch.full((), FP8_MAX, device=amax.device)).clamp(min=MIN_SCALE)
 
 
 def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,8 +45,8 @@ _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit 
 
 _FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): the Triton FP8 GEMM "
              "(M <= 16, block scales, float16) or torch._scaled_mm (per-channel, bfloat16, M > 16); weight-only "
-             "checkpoints: Triton "
-             "GEMM decoding e4m3 in the kernel; MoE: weight-only Triton FP8 grouped GEMM decoding e4m3 in the kernel")
+             "checkpoints: Triton GEMM decoding e4m3 in the kernel; MoE: weight-only Triton FP8 grouped GEMM "
+             "decoding e4m3 in the kernel")
 _FP8_CC80 = ("weight-only (W8A8 checkpoints keep 16-bit activations: no FP8 arithmetic before cc 8.9): Triton GEMM "
              "decoding e4m3 in the kernel (split-K small M, tiled medium M), dequantize + cuBLAS (large M); MoE: "
              "Triton FP8 grouped GEMM decoding e4m3 in the kernel")

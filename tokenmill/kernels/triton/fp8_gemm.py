@@ -400,7 +400,8 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
         else:
             xq, xs = quantize_fp8_triton(x)
             a_mode = A_ROW
-        if use_scaled_mm and m > SMALL_M_MAX and scaled_mm_supported(x, w, cap):
+        small = small_m_max if small_m_max is not None else SMALL_M_MAX  # the plan's own threshold
+        if use_scaled_mm and m > small and scaled_mm_supported(x, w, cap):
             return scaled_mm_rowwise(xq, xs, w, bias, x.dtype)
         plan = plan_fp8_gemm(m, n, k, True, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k)
         return _launch(xq, w.weight, xs, a_mode, w.scale.float(), _B_MODE[scheme], block or (1, k), bias, x.dtype, plan)

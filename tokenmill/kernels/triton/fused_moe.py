@@ -14,7 +14,8 @@ C [T * k, 2I]. Then act(gate) * up (one launch: `triton/activation.py` for
 silu / gelu). Launch 2 (w2): rows of A are pairs, the routing weight is
 applied to each row, C [T * k, H] (bfloat16 for bfloat16 models, float32
 otherwise); `moe_sum_kernel` adds the top-k rows of a token in float32 and
-rounds once. Expert biases (gpt-oss) are added in the GEMM epilogues before
+rounds the sum (for bfloat16 models each pair's row was already rounded to
+bfloat16 once, so two roundings; float32 rows: one). Expert biases (gpt-oss) are added in the GEMM epilogues before
 the routing weight: C = w * (A @ B^T + bias[expert]). The scheme is the
 grouped GEMM of MegaBlocks (Gale et al. 2022) and vLLM's fused_moe; written
 here from that description. Sorting (`moe_align.py`) needs no host sync (the
@@ -187,6 +188,8 @@ _C = GroupedGemmConfig
 # between its T's pairs per expert and the next's; they were 0.3-3.6% faster per layer than the starting
 # points before (346.6 -> 334.0 us at T = 256). At gpt-oss-20b's shapes the same sweep found other tiles
 # up to 9% faster at T = 256 (64 x 128 x 64, 4 warps); its real checkpoints run the MXFP4 kernel instead.
+# Compiled without the launch's specializations, the 16 x 64 x 256 and 128 x 256 x 64 tiles spill a few KB of
+# registers on sm_90 (the review's ptxas -v); they were timed fastest as launched, so they are kept.
 _TABLE: tuple[tuple[float, GroupedGemmConfig, GroupedGemmConfig], ...] = (
     (0.25, _C(16, 32, 128, 0, 4, 4), _C(16, 64, 128, 0, 4, 3)),
     (4.0, _C(16, 64, 256, 0, 4, 3), _C(16, 64, 128, 0, 4, 3)),
@@ -262,8 +265,12 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch
 
 def expert_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of [P, 2I] rows in one launch where a Triton kernel has the same formula (silu, gelu
-    tanh: `triton/activation.py`, bit-equal to PyTorch on CUDA); `moe_activation.act_and_mul` otherwise."""
-    if activation in ("silu", "gelu") and gate_up.shape[0]:
+    tanh: `triton/activation.py`, bit-equal to PyTorch on CUDA) unless the fused kernels are off
+    (`kernels.use_fused_kernels`: CPU tensors, TOKENMILL_DISABLE_FUSED_KERNELS); `moe_activation.act_and_mul`
+    otherwise."""
+    from tokenmill.kernels import use_fused_kernels
+
+    if activation in ("silu", "gelu") and gate_up.shape[0] and use_fused_kernels(gate_up):
         from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul
 
         return silu_and_mul(gate_up) if activation == "silu" else gelu_and_mul(gate_up, "tanh")

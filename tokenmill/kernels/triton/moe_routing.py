@@ -11,7 +11,9 @@ the sum of the k kept probabilities). Choosing on the float32 logits
 rather than on the rounded probabilities keeps the logits' strict order.
 exp is libdevice's expf on a GPU (as PyTorch's softmax); the weights can
 differ from PyTorch's by about one float32 ulp, the ids only where two
-probabilities tie.
+probabilities tie. Each expert is chosen at most once per token, also when
+logits are -inf (weight 0) or NaN (treated as unavailable; a token whose
+logits run out gets the lowest free experts with weight 0).
 """
 
 from __future__ import annotations
@@ -53,14 +55,21 @@ def topk_softmax_kernel(
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
     ids = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
-    remaining = x
+    # Chosen (and padding) columns are tracked apart from the logits: marking a chosen expert with -inf
+    # would let a later round pick it again once only -inf logits are left.
+    taken = (cols[None, :] >= num_experts) | (x != x)  # [ROWS, E_PAD]
     for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], E_PAD), axis=1)
+        best = tl.max(tl.where(taken, float("-inf"), x), axis=1)
+        idx = tl.min(tl.where((x == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
+        # No candidate (NaN logits): the lowest expert not yet chosen, with weight 0.
+        first_free = tl.min(tl.where(taken, E_PAD, cols[None, :]), axis=1)
+        found = idx < E_PAD
+        idx = tl.where(found, idx, first_free)
         prob = tl.math.div_rn(exp_f32(tl.where(row_mask, best - row_max, 0.0), USE_LIBDEVICE), denom)
+        prob = tl.where(found, prob, 0.0)
         weights = tl.where(slots[None, :] == j, prob[:, None], weights)
         ids = tl.where(slots[None, :] == j, idx[:, None], ids)
-        remaining = tl.where(cols[None, :] == idx[:, None], float("-inf"), remaining)
+        taken = taken | (cols[None, :] == idx[:, None])
     if RENORMALIZE:
         weights = tl.math.div_rn(weights, tl.sum(weights, axis=1)[:, None])
     out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)

@@ -94,9 +94,12 @@ SMALL_M_MAX_CC70 = 1
 # M <= GEMV_M_MAX (cc >= 8.0) / GEMV_M_MAX_CC70 (cc < 8.0): the FMA GEMV (`quant_gemv.py`), for weights without
 # act-order. Launch settings: output rows per program, packed words per K step, warps, stages, programs wanted
 # per SM (divided by the power of two of M). H200 sweep (benchmarks/gpu/results/session8/sweep2.log): one-warp
-# programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM;
-# from M = 2 the tensor-core GEMV below is faster (session9/visit2/sweep.log).
+# programs of 32 rows x 16 words won at M = 1 (1.33-1.67x faster than bf16 F.linear) with ~16 programs per SM,
+# and at M = 2 with ~8 (level with or ahead of split-K). From M = 2 the tensor-core GEMV below is faster on
+# three of Llama-3.1-8B's four layer shapes (o: 15.0 vs the GEMV's 14.6 us; session9/visit2/sweep.log), so it
+# takes M = 2 where it applies; other weights keep the GEMV up to GEMV_M_MAX_NO_DOT.
 GEMV_M_MAX = 1
+GEMV_M_MAX_NO_DOT = 2
 GEMV_M_MAX_CC70 = 1
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_KW = 16
@@ -107,9 +110,10 @@ GEMV_PROGRAMS_PER_SM = 16
 # tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile). Tiles per M range: (largest M,
 # block_n, warps, stages, programs per SM); block_m is M's power of two, at least 16. H200 sweep
 # (benchmarks/gpu/results/session9/visit2/sweep.log, Llama-3.1-8B shapes, W4A16 g128): M = 2..16 with
-# 64-row two-warp tiles, 16.7-32.0 us per layer shape = 0.99-1.06x of bf16 F.linear for gate_up / down and
-# 0.83-0.92x for qkv / o, 10-25% faster than split-K; M = 32 and 64: 4-12% and 10-20% faster than split-K /
-# tiled; from M = 128 dequantize + cuBLAS (M = 256: 45 us vs 92 for the best tensor-core tile on qkv).
+# 64-wide two-warp tiles: qkv 17.7-18.3 us, o 15.0-15.3, gate_up 56.1-59.8, down 32.0-35.1; split-K took
+# 1.04-1.33x as long (o 1.04-1.10x, gate_up 1.30-1.33x); against bf16 F.linear 0.83-0.92x for qkv / o and
+# 0.94-1.06x for gate_up / down; M = 32 and 64: split-K / tiled took 1.03-1.12x and 1.13-1.20x as long; from
+# M = 128 dequantize + cuBLAS (M = 256: 45 us vs 92 for the best tensor-core tile on qkv).
 DOT_M_MAX = 64
 DOT_TILES = ((32, 64, 2, 4, 8), (64, 128, 4, 3, 2))
 DOT_BLOCK_K = 128
@@ -427,14 +431,17 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     cc70 = tuple(capability) < (8, 0)
     small = small_m_max if small_m_max is not None else (SMALL_M_MAX_CC70 if cc70 else SMALL_M_MAX)
     large = large_m_min if large_m_min is not None else (SMALL_M_MAX_CC70 if cc70 else LARGE_M_MIN)
-    gemv = gemv_m_max if gemv_m_max is not None else (GEMV_M_MAX_CC70 if cc70 else GEMV_M_MAX)
     k = w.in_features
+    dot_ok = not cc70 and dot_supported(w.g_idx is not None, w.bits, w.group_size, k, DOT_BLOCK_K)
+    # The GEMV keeps M = 2 for the weights the tensor-core GEMV does not take (8-bit, small groups).
+    gemv = gemv_m_max if gemv_m_max is not None else (GEMV_M_MAX_CC70 if cc70 else
+                                                      GEMV_M_MAX if dot_ok else GEMV_M_MAX_NO_DOT)
     if m <= gemv and gemv_supported(w.g_idx is not None, w.bits, w.group_size):
         bm = triton.next_power_of_2(m)
         return finish_plan(QuantLinearPlan("gemv", bm, GEMV_BLOCK_N, GEMV_BLOCK_KW * pack_factor(w.bits), 0, False,
                                            GEMV_WARPS, 1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k,
                            programs_per_sm=max(1, GEMV_PROGRAMS_PER_SM // bm))
-    if not cc70 and m <= DOT_M_MAX and dot_supported(w.g_idx is not None, w.bits, w.group_size, k, DOT_BLOCK_K):
+    if dot_ok and m <= DOT_M_MAX:
         _, bn, warps, stages, per_sm = next(t for t in DOT_TILES if m <= t[0])
         return finish_plan(QuantLinearPlan("dot", max(16, triton.next_power_of_2(m)), bn, DOT_BLOCK_K, 0, True, warps,
                                            stages), m, n, k, num_sms, split_k, programs_per_sm=per_sm)
