@@ -40,7 +40,8 @@ class FakeOpenAIServer:
     Timing: `first_delay_s` before the first chunk, `gap_s` between chunks.
     Prompts containing FAIL get HTTP 500; STREAMERR gets one chunk then an
     error object in the stream. Prompts containing PAIRS get two tokens per
-    chunk. With `stream_options.continuous_usage_stats` every content chunk
+    chunk. With `api_key` set, `GET /v1/models` answers 401 unless the request
+    carries it as a bearer token. With `stream_options.continuous_usage_stats` every content chunk
     carries the cumulative usage, unless the prompt contains NOUSAGE or
     TOKENIDS; TOKENIDS chunks carry their `token_ids` instead. Request bodies
     are kept in `bodies`.
@@ -50,6 +51,7 @@ class FakeOpenAIServer:
     gap_s = 0.01
 
     def __init__(self):
+        self.api_key: str | None = None
         self.bodies: list[dict] = []
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -57,6 +59,9 @@ class FakeOpenAIServer:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "Invalid API key.", "code": "invalid_api_key"}},
+                                     status=401)
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:

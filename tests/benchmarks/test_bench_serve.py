@@ -68,6 +68,20 @@ def test_serve_chat_backend_random_dataset_and_model_discovery(fake_server, tmp_
     assert "ignore_eos" not in body
 
 
+def test_model_discovery_sends_the_api_key_and_reports_http_errors(fake_server, monkeypatch):
+    import asyncio
+
+    from tokenmill.benchmarks.serve import fetch_first_model
+
+    fake_server.api_key = "secret"
+    url = fake_server.url + "/v1/models"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"HTTP 401 \(set OPENAI_API_KEY.*Invalid API key"):
+        asyncio.run(fetch_first_model(url))
+    monkeypatch.setenv("OPENAI_API_KEY", "secret")
+    assert asyncio.run(fetch_first_model(url)) == "fake-model"
+
+
 def test_serve_reports_a_dead_server_as_one_error_line(tmp_path, capsys):
     rc = main(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2",
                "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])

@@ -39,6 +39,15 @@ def test_cpu_defaults(tiny_folder):
     assert (server.scheduler_config.max_num_batched_tokens, server.scheduler_config.max_num_seqs) == (2048, 128)
 
 
+def test_gpu_memory_utilization_on_cpu_is_logged_as_unused(tiny_folder, caplog):
+    with caplog.at_level("INFO", logger="tokenmill.config.resolve"):
+        assert _resolve(tiny_folder).cache_config.gpu_memory_utilization == 0.9  # the default, silently
+        assert "gpu-memory-utilization" not in caplog.text
+        cfg = _resolve(tiny_folder, gpu_memory_utilization=0.9)
+    assert cfg.cache_config.gpu_memory_utilization == 0.9
+    assert "--gpu-memory-utilization 0.9 is for GPUs and is not used on CPU" in caplog.text
+
+
 def test_user_values_and_aliases(tiny_folder):
     cfg = _resolve(tiny_folder, dtype="bf16", max_model_len=100, kv_cache_memory_bytes="1G",
                    generation_config="vllm", served_model_name="tiny", skip_tokenizer_init=True, max_num_seqs=7)

@@ -14,7 +14,8 @@ import sys
 from tokenmill.benchmarks import latency, plot, serve, throughput
 
 _COMMANDS = {
-    "serve": (serve, "Load-test an OpenAI-compatible server with streaming requests (vLLM's flags)."),
+    "serve": (serve, "Load-test an OpenAI-compatible server with streaming requests (vLLM's flags). A server "
+                     "started with --api-key needs OPENAI_API_KEY set to that key."),
     "throughput": (throughput, "Offline throughput of tokenmill.LLM on a batch of prompts."),
     "latency": (latency, "Offline latency of one batch through tokenmill.LLM."),
     "plot": (plot, "Plot throughput and latency against max concurrency from serve result files."),

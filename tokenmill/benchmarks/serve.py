@@ -247,15 +247,24 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
 
 
 async def fetch_first_model(models_url: str) -> str:
-    """The id of the first model listed at `models_url` (OpenAI `GET /v1/models`).
+    """The id of the first model listed at `models_url` (OpenAI `GET /v1/models`), sent with
+    OPENAI_API_KEY as a bearer token when it is set (as the benchmark's requests are).
 
     Raises:
-        ValueError: the server cannot be reached or lists no model.
+        ValueError: the server cannot be reached, answers with an error status (the status and body are in
+            the message, e.g. 401 for a missing or wrong API key), or lists no model.
     """
     import aiohttp
 
+    headers = {}
+    if api_key := envs.openai_api_key():
+        headers["Authorization"] = f"Bearer {api_key}"
     try:
-        async with aiohttp.ClientSession() as session, session.get(models_url) as resp:
+        async with aiohttp.ClientSession() as session, session.get(models_url, headers=headers) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                hint = " (set OPENAI_API_KEY to the server's --api-key)" if resp.status == 401 else ""
+                raise ValueError(f"GET {models_url} answered HTTP {resp.status}{hint}: {body}")
             data = await resp.json(content_type=None)
         return data["data"][0]["id"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:

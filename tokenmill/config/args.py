@@ -45,7 +45,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     kv_cache_memory_bytes: int | str | None = None
     num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: 0.9 (DEFAULT_GPU_MEMORY_UTILIZATION); GPUs only
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False  # one KV group even for half-sliding-window models
     # scheduler
@@ -89,9 +89,9 @@ class EngineArgs:
                        help="auto: float32 on CPU (keeps small models' answers right), bfloat16 on GPUs with cc >= 8.0, "
                             "float16 below; AWQ and GPTQ checkpoints: float16 on GPUs (as vLLM).")
         g.add_argument("--quantization", "-q", default=None,
-                       help="awq, gptq or compressed-tensors (vLLM's awq_marlin / gptq_marlin are aliases), or mxfp4 "
-                            "(gpt-oss): must match the checkpoint's quantization_config (default: the "
-                            "checkpoint's method).")
+                       help="awq, gptq, compressed-tensors (vLLM's awq_marlin / gptq_marlin are aliases), fp8 or "
+                            "mxfp4 (gpt-oss): must match the checkpoint's quantization_config (default: the "
+                            "checkpoint's method); fp8 on a 16-bit checkpoint quantizes its weights at load.")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--max-model-len", type=_int_or_size, default=None, help="Context length (default: the model's limit).")
         g.add_argument("--served-model-name", nargs="+", default=None,
@@ -115,8 +115,9 @@ class EngineArgs:
                             "--gpu-memory-utilization).")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="Fix the number of KV blocks (any device; for tests).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                       help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache); GPUs "
-                            "only: on CPU the KV cache is sized by --kv-cache-memory-bytes or its default.")
+                       help="Fraction of GPU memory tokenmill may use (weights + activations + KV cache; default "
+                            "0.9); GPUs only: on CPU the KV cache is sized by --kv-cache-memory-bytes or its "
+                            "default, and a given value is logged as unused.")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="Reuse KV blocks of repeated prompt prefixes (default on).")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -73,6 +73,10 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
 
 
+# --gpu-memory-utilization when not given (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -81,7 +85,7 @@ class CacheConfig:
     cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None  # explicit KV size (CPU default: from free memory, platforms/memory.py)
     num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
     num_gpu_blocks: int = 0  # filled after memory profiling
     # Window of the sliding-window KV group (half the layers full attention, half sliding; gpt-oss), whose

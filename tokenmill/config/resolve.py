@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.config.configs import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -124,7 +125,7 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got "
                          f"{args.tensor_parallel_size} and {args.pipeline_parallel_size}.")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+    if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}.")
     if args.load_format not in _LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(_LOAD_FORMATS)}, got {args.load_format!r}.")
@@ -337,6 +338,10 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
     if window is not None:
         logger.info("KV cache: sliding-window layers keep only their last %d tokens' blocks (two KV groups; "
                     "--disable-hybrid-kv-cache-manager keeps one group, full-length KV on every layer)", window)
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and platform.device_type == "cpu":
+        logger.info("--gpu-memory-utilization %s is for GPUs and is not used on CPU: the KV cache is sized by "
+                    "--kv-cache-memory-bytes (default: 0.4 x available memory, at most 16 GiB)", utilization)
     cache_dtype = normalize_kv_cache_dtype(args.kv_cache_dtype)
     if cache_dtype != "auto":
         logger.info("KV cache dtype %s (%s): K and V stored in 8 bits, scaled per layer by the checkpoint's "
@@ -346,7 +351,7 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
         cache_dtype=cache_dtype,
         kv_cache_memory_bytes=kv_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization,
         enable_prefix_caching=prefix_caching,
         sliding_window_group=window,
     )

@@ -96,7 +96,8 @@ FLAGS: tuple[FlagInfo, ...] = (
        "overrides --gpu-memory-utilization).", ("--kv-cache-memory-bytes", "1G")),
     _i("--num-gpu-blocks-override", "Fix the number of KV blocks.", ("--num-gpu-blocks-override", "64")),
     _i("--gpu-memory-utilization", "Fraction of GPU memory tokenmill may use (GPUs only: on CPU the KV cache "
-       "is sized by --kv-cache-memory-bytes or its default).", ("--gpu-memory-utilization", "0.5")),
+       "is sized by --kv-cache-memory-bytes or its default, and a given value is logged as unused).",
+       ("--gpu-memory-utilization", "0.5")),
     _i("--enable-prefix-caching", "Reuse KV blocks of repeated prefixes (default on; --no-enable-prefix-caching).",
        ("--no-enable-prefix-caching",)),
     _i("--disable-hybrid-kv-cache-manager", "One KV group even for half-sliding-window models (gpt-oss): full-length "
