@@ -16,6 +16,18 @@ from typing import Any
 _SAMPLING_EPS = 1e-5
 
 
+class InvalidFieldError(ValueError):
+    """A ValueError about one request field: `param` names it (the OpenAI server puts it in the error body's
+    `param`, so a client sees which field to fix)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickles across processes with both arguments
+        return type(self), (self.param, str(self))
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """What shape the output must take (vLLM's `StructuredOutputsParams` fields).
@@ -178,53 +190,61 @@ class SamplingParams:
                                  f"use {', '.join(sorted(names))}.")
             self.structured_outputs = StructuredOutputsParams(**so)
         elif so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
+            raise InvalidFieldError("structured_outputs",
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}.")
         if self.extra_args and "structured_outputs" in self.extra_args:
             raise ValueError('Structured output is the typed field SamplingParams.structured_outputs, not '
                              'extra_args["structured_outputs"]; pass structured_outputs=StructuredOutputsParams(...).')
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
+            raise InvalidFieldError("n", f"n must be an integer >= 1, got {self.n!r}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            raise InvalidFieldError("presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            raise InvalidFieldError("frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+            raise InvalidFieldError("repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+            raise InvalidFieldError("temperature", f"temperature must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidFieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}.")
+            raise InvalidFieldError("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}.")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InvalidFieldError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (or None for the rest of the context), got {self.max_tokens}.")
+            raise InvalidFieldError("max_tokens",
+                f"max_tokens must be at least 1 (or None for the rest of the context), got {self.max_tokens}.")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
+            raise InvalidFieldError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+            raise InvalidFieldError("min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
+            raise InvalidFieldError("logprobs", f"logprobs must be >= 0, got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+            raise InvalidFieldError("prompt_logprobs", f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty.")
+            raise InvalidFieldError("stop", "stop strings must not be empty.")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers.")
+            raise InvalidFieldError("stop_token_ids", "stop_token_ids must be non-negative integers.")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= float(bias) <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
+                    raise InvalidFieldError("logit_bias",
+                        f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
-            raise ValueError("allowed_token_ids must not be empty.")
+            raise InvalidFieldError("allowed_token_ids", "allowed_token_ids must not be empty.")
         if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
-            raise ValueError("bad_words must be a list of strings.")
+            raise InvalidFieldError("bad_words", "bad_words must be a list of strings.")
         if self.truncate_prompt_tokens is not None and (
                 self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, "
+            raise InvalidFieldError("truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, "
                              f"got {self.truncate_prompt_tokens}.")
 
     @property

@@ -128,10 +128,10 @@ def test_completion_stream_without_usage_has_no_usage_chunk(call):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": -1}, None),
-    ({"prompt": "x", "top_p": 0}, None),
-    ({"prompt": "x", "top_p": 1.01}, None),
-    ({"prompt": "x", "n": 0}, None),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.01}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "", "max_tokens": 2}, None),
     ({"prompt": "x", "max_tokens": 1000}, None),  # beyond max_model_len 64
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),

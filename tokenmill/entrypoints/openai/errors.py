@@ -96,7 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _respond(request, str(exc) or "Invalid request.", HTTPStatus.BAD_REQUEST)
+        # sampling_params.InvalidFieldError names its field; other ValueErrors name it in the message only.
+        return _respond(request, str(exc) or "Invalid request.", HTTPStatus.BAD_REQUEST,
+                        param=getattr(exc, "param", None))
 
     @app.exception_handler(ModelNotFoundError)
     async def _on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
