@@ -5,7 +5,7 @@ sorts the (token, expert) pairs by expert into BLOCK_M-row tiles of one
 expert each; launch 1 computes [gate | up] = x @ w13[e]^T + b13[e] per pair,
 then `moe_activation.act_and_mul` (gpt-oss's clamped SwiGLU); launch 2 the
 routing-weighted rows of inter @ w2[e]^T + b2[e], summed over the top-k
-slots in float32). The B operand is gpt-oss's packed layout
+slots in float32 by `fused_moe.moe_sum`, one launch). The B operand is gpt-oss's packed layout
 (`kernels/mxfp4.py`): each program reads only its tile's expert's
 `*_blocks` bytes (two E2M1 codes per byte, low nibble first) and `*_scales`
 (one E8M0 byte per 32 values), 4.25 bits per weight, decodes a
@@ -66,8 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.moe_activation import act_and_mul
-from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
+from tokenmill.kernels.triton.fused_moe import expert_activation, moe_align_block_size, moe_sum, tile_pairs
 from tokenmill.kernels.triton.fused_moe_quant import GroupedQuantConfig
 from tokenmill.kernels.triton.splitk import device_facts
 
@@ -364,11 +363,8 @@ def fused_experts_mxfp4_triton(
     gate_up = _new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
     _grouped_mxfp4_gemm(hidden_states, w13_blocks, w13_scales, w13_bias, gate_up, None, aligned, top_k, block_m,
                         cc70, cfg)
-    inter = act_and_mul(gate_up, activation)
+    inter = expert_activation(gate_up, activation)
     down = _new_output((num_pairs, hidden_size), torch.float32, hidden_states.device)
     _grouped_mxfp4_gemm(inter, w2_blocks, w2_scales, w2_bias, down, topk_weights.reshape(-1).float().contiguous(),
                         aligned, 1, block_m, cc70, cfg)
-    out = down.view(num_tokens, top_k, hidden_size).sum(dim=1)
-    if hidden_states.dtype == torch.float16:
-        out = out.clamp_(-65504.0, 65504.0)
-    return out.to(hidden_states.dtype)
+    return moe_sum(down, top_k, hidden_states.dtype)  # float32 sum, one rounding, float16 clamped

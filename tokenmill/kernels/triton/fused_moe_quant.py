@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.quant_pack import QuantTensors
-from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
+from tokenmill.kernels.triton.fused_moe import expert_activation, moe_align_block_size, moe_sum, tile_pairs
 from tokenmill.kernels.triton import quant_linear as _ql
 from tokenmill.kernels.triton.quant_linear import _accumulate_tile, block_k_for, check_quant_tensors, kernel_groups
 from tokenmill.kernels.triton.quant_dot import accumulate_dot_tile, dot_supported
@@ -220,11 +219,8 @@ def fused_experts_quant_triton(
     aligned = moe_align_block_size(topk_ids, block_m, num_experts)
     gate_up = _ql._new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
     _grouped_quant_gemm(hidden_states, w13, gate_up, None, aligned, top_k, block_m, num_stages, config)
-    inter = act_and_mul(gate_up, activation)
+    inter = expert_activation(gate_up, activation)
     down = _ql._new_output((num_pairs, hidden_size), torch.float32, hidden_states.device)
     _grouped_quant_gemm(inter, w2, down, topk_weights.reshape(-1).float().contiguous(), aligned, 1, block_m,
                         num_stages, config)
-    out = down.view(num_tokens, top_k, hidden_size).sum(dim=1)
-    if hidden_states.dtype == torch.float16:
-        out = out.clamp_(-65504.0, 65504.0)
-    return out.to(hidden_states.dtype)
+    return moe_sum(down, top_k, hidden_states.dtype)  # float32 sum, one rounding, float16 clamped
