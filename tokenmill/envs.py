@@ -121,10 +121,10 @@ def cpu_adaptive_threads() -> bool:
     return get_bool("TOKENMILL_CPU_ADAPTIVE_THREADS", True)
 
 
-def omp_wait_policy() -> str | None:
+def omp_wait_policy(environ: Mapping[str, str] | None = None) -> str | None:
     """OMP_WAIT_POLICY as the user set it (None when unset). When it and GOMP_SPINCOUNT are both unset, the
     engine core process sets GOMP_SPINCOUNT=`DEFAULT_GOMP_SPINCOUNT` (`engine/core_proc.py`)."""
-    return get_str("OMP_WAIT_POLICY")
+    return get_str("OMP_WAIT_POLICY", environ)
 
 
 # libgomp's spin rounds before a waiting thread sleeps, the engine core's default: long enough to bridge
@@ -133,10 +133,10 @@ def omp_wait_policy() -> str | None:
 DEFAULT_GOMP_SPINCOUNT = 30000
 
 
-def gomp_spincount() -> str | None:
+def gomp_spincount(environ: Mapping[str, str] | None = None) -> str | None:
     """GOMP_SPINCOUNT as the user set it (None when unset): libgomp's spin rounds before a waiting thread
     sleeps (`engine/core_proc.py` defaults it to `DEFAULT_GOMP_SPINCOUNT` when OMP_WAIT_POLICY is unset too)."""
-    return get_str("GOMP_SPINCOUNT")
+    return get_str("GOMP_SPINCOUNT", environ)
 
 
 def cpu_gguf_kernels() -> bool:

@@ -19,7 +19,7 @@
 #   tokenmill    one `tokenmill serve` for all concurrencies (--max-num-seqs 256), bench at each
 #   report       the table
 # The device tool's calls last at most 10 minutes and a machine stays warm ~30 s after a call, so run
-# `build gguf`, then `llamaserver`, then `tokenmill report` as three calls in quick succession (a cold
+# `build`, then `gguf llamaserver`, then `tokenmill report` as three calls in quick succession (a cold
 # machine starts bare: build and gguf again).  Results also go to $OUT when it is set.
 #
 # Environment: PYTHON (default python3), GPU_PEER_WORK (default /tmp/gpu-peer: the GGUF and logs),
@@ -72,16 +72,21 @@ phase_gguf() {
 
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-wait_ready() {  # wait_ready PORT PID LOG: until /v1/models answers (15 min at most)
+wait_ready() {  # wait_ready PORT PID LOG: until /v1/models answers (15 min at most), then one greedy answer
     local t=0
-    until curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null 2>&1; do
+    until "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/v1/models', timeout=5)" 2>/dev/null; do
         kill -0 "$2" 2>/dev/null || { echo "server exited; log $3:" >&2; tail -30 "$3" >&2; return 1; }
         sleep 2; t=$((t + 2))
         [ $t -lt 900 ] || { echo "server not ready after 900 s; log $3" >&2; return 1; }
     done
-    log "ready after ~${t} s; answer: $(curl -s "http://127.0.0.1:$1/v1/completions" -H 'Content-Type: application/json' \
-        -d "{\"model\": \"$MODEL_NAME\", \"prompt\": \"The capital of France is\", \"max_tokens\": 8, \"temperature\": 0}" \
-        | "$PY" -c 'import json, sys; print(repr(json.load(sys.stdin)["choices"][0]["text"]))' 2>/dev/null || echo '?')"
+    log "ready after ~${t} s; answer: $(PORT=$1 MODEL=$MODEL_NAME "$PY" - <<'PYEOF' 2>/dev/null || echo '?'
+import json, os, urllib.request
+body = {"model": os.environ["MODEL"], "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+req = urllib.request.Request(f"http://127.0.0.1:{os.environ['PORT']}/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+print(repr(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["text"]))
+PYEOF
+)"
 }
 
 stop_server() {  # stop_server PID: SIGINT to its process group, SIGKILL after 30 s

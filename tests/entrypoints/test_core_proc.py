@@ -150,3 +150,16 @@ def test_core_threads_take_small_machines_whole_and_leave_big_ones_a_front_end_c
     assert core_num_threads(num_cpus, device="cuda") == max(1, num_cpus - 1)  # a GPU's host work: old rule
     monkeypatch.setenv("TOKENMILL_CPU_THREADS", "3")
     assert core_num_threads(num_cpus) == 3 and core_num_threads(num_cpus, device="cuda") == 3
+
+
+@pytest.mark.parametrize("user, expected", [
+    ({}, {"GOMP_SPINCOUNT": "30000"}),  # neither set: a bounded spin, not PASSIVE's sleep per region
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # the user's policy stands alone
+    ({"GOMP_SPINCOUNT": "500"}, {"GOMP_SPINCOUNT": "500"}),
+])
+def test_engine_core_wait_policy_default_keeps_the_users_choice(user, expected):
+    from tokenmill.engine.core_proc import set_omp_wait_default
+
+    environ = dict(user)
+    set_omp_wait_default(environ)
+    assert environ == expected

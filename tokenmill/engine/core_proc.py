@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -129,6 +130,20 @@ def run_engine_core(engine_config: EngineConfig, input_addr: str, output_addr: s
         os._exit(0)
 
 
+def set_omp_wait_default(environ: MutableMapping[str, str]) -> None:
+    """Set GOMP_SPINCOUNT=`envs.DEFAULT_GOMP_SPINCOUNT` in `environ` unless the user set it or OMP_WAIT_POLICY.
+
+    Threads waiting between parallel regions spin 30k rounds, then sleep. libgomp's default
+    (~300k rounds) holds the core a descheduled teammate needs when another process shares the
+    CPUs (docs/benchmarks.md, "CPU threads under a CPU hog"); sleeping at once (PASSIVE) pays a
+    futex wake per region: served at concurrency 1, SmolLM2 Q4_1 decoded at 29 tok/s instead of
+    52 ("Concurrency 1 beside llama.cpp's server"). Under a hog the worker drops to 1 thread
+    (`worker/cpu_threads.py`), where no thread waits. Must run before torch (libgomp) loads.
+    """
+    if envs.omp_wait_policy(environ) is None and envs.gomp_spincount(environ) is None:
+        environ["GOMP_SPINCOUNT"] = str(envs.DEFAULT_GOMP_SPINCOUNT)
+
+
 def _build_core(engine_config: EngineConfig, num_threads: int, out_sock: zmq.Socket, core_class: str) -> Any | None:
     """Create the core; on failure send STARTUP_ERROR and return None."""
     try:
@@ -137,14 +152,7 @@ def _build_core(engine_config: EngineConfig, num_threads: int, out_sock: zmq.Soc
         # Before torch loads (the core's import does it): its thread pools
         # read this; set_num_threads below covers a torch already loaded.
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
-        # Threads waiting between parallel regions spin 30k rounds, then sleep. libgomp's default
-        # (~300k rounds) holds the core a descheduled teammate needs when another process shares the
-        # CPUs (docs/benchmarks.md, "CPU threads under a CPU hog"); sleeping at once (PASSIVE) pays a
-        # futex wake per region: served at concurrency 1, SmolLM2 Q4_1 decoded at 29 tok/s instead of
-        # 52 ("OpenMP wait policy at concurrency 1"). Under a hog the worker drops to 1 thread
-        # (`worker/cpu_threads.py`), where no thread waits.
-        if envs.omp_wait_policy() is None and envs.gomp_spincount() is None:
-            os.environ["GOMP_SPINCOUNT"] = str(envs.DEFAULT_GOMP_SPINCOUNT)
+        set_omp_wait_default(os.environ)
         module_name, class_name = core_class.split(":")
         cls = getattr(importlib.import_module(module_name), class_name)
         if "torch" in sys.modules:
