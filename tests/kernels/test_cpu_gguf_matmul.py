@@ -3,7 +3,7 @@
 Random bytes are valid blocks of every type once their float16 scales are
 made finite and small, so each test draws whole random rows. Dequantization
 must be the reference's bits; products differ from `x @ W^T` of those
-weights only in the float32 summation order (and, at one token, in factoring
+weights only in the float32 summation order (and, with AVX-512, in factoring
 each 32-weight chunk's scale and offset out of its products).
 """
 

@@ -25,7 +25,7 @@
  * The arithmetic and its roundings follow the `gguf` package's reference
  * (gguf/quants.py, itself ggml's dequantize_row_*), so the dequantized weights
  * (gguf_dequantize) are its bits; the dot products differ from a float32
- * matmul of those weights only by the summation order and, at one token, by
+ * matmul of those weights only by the summation order and, on AVX-512, by
  * factoring each chunk's scale and offset out of its 32 products
  * (d * (q . x) + m * sum(x); see row_dot). Activations x are
  * float32 or bfloat16 (bfloat16 is widened once per call), the sums float32.

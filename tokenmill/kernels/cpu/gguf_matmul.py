@@ -7,7 +7,7 @@ dequantized 32 weights at a time inside the dot product, so a decode step
 reads 4.5-8.5 bits per weight instead of 32 (float32) or 16 (bfloat16).
 The dequantized weights are the `gguf` package's reference bits
 (`gguf.quants.dequantize`); products differ from a float32 matmul of them
-only in the summation order (float32 sums) and, at one token, in where each
+only in the summation order (float32 sums) and, with AVX-512, in where each
 32-weight chunk's scale and offset apply: d * (q . x) + m * sum(x) instead of
 (d * q + m) . x (same value in exact arithmetic, other float32 roundings).
 
