@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.kernels.fp8 import dequantize_fp8, e4m3_to_float16_table, quantize_fp8_block, quantize_fp8_per_row
+from tokenmill.kernels.fp8 import (
+    dequantize_fp8,
+    e4m3_to_float16_table,
+    quantize_fp8_block,
+    quantize_fp8_per_group,
+    quantize_fp8_per_row,
+    quantize_fp8_per_tensor,
+)
+from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.triton import fused_moe_fp8 as f8
 from tokenmill.kernels.triton.fused_moe import moe_align_block_size
 from tokenmill.layers.fp8_params import Fp8Scheme
@@ -73,6 +81,30 @@ def _reference(x, packed, biases, weights, ids, block, activation="silu"):
                                    activation, b13, b2).cpu()
 
 
+def _quantized(x, block, static):
+    """x after the W8A8 activation quantization (static per-tensor, per 1 x Bk group, or per row), float32."""
+    if static is not None:
+        return dequantize_fp8(*quantize_fp8_per_tensor(x, static))
+    if block is not None:
+        return dequantize_fp8(*quantize_fp8_per_group(x, block[1]), (1, block[1]))
+    return dequantize_fp8(*quantize_fp8_per_row(x))
+
+
+def _reference_w8a8(x, packed, biases, weights, ids, block, activation="silu", static=(None, None)):
+    """The W8A8 MoE in float32 on x's device, returned on the CPU: x quantized as the kernel does (`_quantized`),
+    [gate | up] rounded to x's dtype, activated, quantized again, down projection, routing-weighted top-k sum."""
+    q13, s13, q2, s2 = packed
+    w13, w2 = _dequantize(q13, s13, block), _dequantize(q2, s2, block)
+    b13, b2 = biases
+    t, k = ids.shape
+    e = ids.reshape(-1)
+    rows = _quantized(x, block, static[0]).repeat_interleave(k, dim=0)  # pair p = token * k + slot
+    gate_up = torch.einsum("pnh,ph->pn", w13[e], rows) + (0 if b13 is None else b13.float()[e])
+    inter = _quantized(act_and_mul(gate_up.to(x.dtype), activation), block, static[1])
+    down = torch.einsum("phi,pi->ph", w2[e], inter) + (0 if b2 is None else b2.float()[e])
+    return (down.view(t, k, -1) * weights.float()[..., None]).sum(dim=1).cpu()
+
+
 def _check(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     tol = 4 * U[dtype]
@@ -91,7 +123,7 @@ def test_matches_dequantized_reference(nan_outputs, scheme, block, dtype):
     x = torch.randn(t, h, generator=g).to(DEV, dtype)
     weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEV), k, True)
     out = f8.fused_experts_fp8_triton(x, *packed, weights, ids, block_size=block,
-                                      config=f8.Fp8MoeConfig(block_n=32, block_k=32))
+                                      config=f8.Fp8MoeConfig(block_n=32, block_k=32), quantize_activations=False)
     _check(out, _reference(x, packed, biases, weights, ids, block), dtype)
 
 
@@ -101,12 +133,44 @@ def test_one_token_biases_and_top1(nan_outputs):
     g = torch.Generator().manual_seed(3)
     x = (2 * torch.randn(1, 64, generator=g)).to(DEV, torch.bfloat16)
     weights, ids = select_experts(torch.randn(1, 4, generator=g).to(DEV), 2, True)
-    out = f8.fused_experts_fp8_triton(x, *packed, weights, ids, "swigluoai", *biases)
+    out = f8.fused_experts_fp8_triton(x, *packed, weights, ids, "swigluoai", *biases, quantize_activations=False)
     _check(out, _reference(x, packed, biases, weights, ids, None, "swigluoai"), torch.bfloat16)
     x3 = torch.randn(3, 64, generator=g).to(DEV, torch.float16)
     weights, ids = select_experts(torch.randn(3, 4, generator=g).to(DEV), 1, False)
-    out = f8.fused_experts_fp8_triton(x3, *packed, weights, ids)
+    out = f8.fused_experts_fp8_triton(x3, *packed, weights, ids, quantize_activations=False)
     _check(out, _reference(x3, packed, (None, None), weights, ids, None), torch.float16)
+
+
+# W8A8 in the interpreter: its fp8 loads and fp8 dots are exact, so the kernels equal `_reference_w8a8` up to
+# float32 summation order (the same 4u tolerance as weight-only). Ragged shapes as above; rows-block32 is
+# FusedMoE's layout (per 1 x 32 group activation scales); static: per-tensor input scales.
+@pytest.mark.parametrize("scheme,block,static", [("channel", None, False), ("block", (1, 32), False),
+                                                 ("tensor", None, True)], ids=["channel", "rows-block32", "static"])
+def test_w8a8_matches_quantized_reference(nan_outputs, scheme, block, static):
+    e, h, i, t, k = 4, 96, 40, 9, 2
+    packed, biases = _experts(e, h, i, scheme, block, bias=scheme == "channel", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = (2 * torch.randn(t, h, generator=g)).to(DEV, torch.bfloat16)
+    weights, ids = select_experts(torch.randn(t, e, generator=g).to(DEV), k, True)
+    scales = (torch.tensor([0.01], device=DEV), torch.tensor([0.002], device=DEV)) if static else (None, None)
+    out = f8.fused_experts_fp8_triton(x, *packed, weights, ids, "silu", *biases, block_size=block,
+                                      config=f8.Fp8MoeConfig(block_n=32, block_k=32), w13_input_scale=scales[0],
+                                      w2_input_scale=scales[1])
+    ref = _reference_w8a8(x, packed, biases, weights, ids, block, static=scales)
+    _check(out, ref, torch.bfloat16)
+    # W8A8 is a different computation from weight-only (the activations' e4m3 rounding, ~2^-5 relative per
+    # element): the comparison above can tell them apart.
+    assert (out.float().cpu() - _reference(x, packed, biases, weights, ids, block)).abs().max() > 4 * U[
+        torch.bfloat16] * ref.abs().max()
+
+
+def test_w8a8_is_picked_by_capability_and_dtype(monkeypatch):
+    """W8A8 needs an effective cc >= 8.9 and 16-bit activations; float32 stays weight-only (exact)."""
+    assert f8.uses_w8a8(torch.bfloat16, (9, 0), True) and f8.uses_w8a8(torch.float16, (8, 9), True)
+    assert not f8.uses_w8a8(torch.bfloat16, (8, 0), True) and not f8.uses_w8a8(torch.float32, (9, 0), True)
+    assert not f8.uses_w8a8(torch.bfloat16, (9, 0), False)
+    assert f8.launch_config(8, (9, 0), w8a8=True).block_k == 128
+    assert f8.launch_config(16384, (9, 0), w8a8=True).block_n == 128
 
 
 def test_fused_moe_layer_passes_its_fp8_experts(monkeypatch):
