@@ -90,10 +90,13 @@ def tiny_qwen3_moe(tmp_path_factory) -> str:
 
 def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
     """The experts stay e4m3 on the GPU and run `kernels.fused_experts_fp8` (float32 and bfloat16 activations),
-    equal to `fused_experts_reference` on their dequantized weights; the engine's greedy tokens (CUDA graphs)
-    equal transformers' on the checkpoint's weights up to near-ties (experts weight-only on both sides)."""
+    equal to `fused_experts_reference` on their dequantized weights (bfloat16 on cc >= 8.9: W8A8, the reference
+    quantizing each projection's input rows as the kernel does); the engine's greedy tokens (CUDA graphs, float32:
+    experts weight-only) equal transformers' on the checkpoint's weights up to near-ties."""
     from fp8_checkpoints import write_fp8_checkpoint
 
+    from tokenmill.kernels.fp8 import dequantize_fp8, quantize_fp8_per_group
+    from tokenmill.kernels.triton.splitk import device_facts
     from tokenmill.layers.fused_moe.layer import FusedMoE
     from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
     from tokenmill.model_loader import get_model
@@ -104,15 +107,23 @@ def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(m.w13_weight.dtype == torch.float8_e4m3fn and m.w13_weight.is_cuda for m in moes)
     g = torch.Generator(device="cuda").manual_seed(0)
+    w8a8 = device_facts(torch.device("cuda", torch.cuda.current_device()))[0] >= (8, 9)
     for moe in moes:
         w13, w2 = (moe.fp8_dense(p, torch.float32).cpu() for p in ("w13", "w2"))
+        bk = moe.quant.block_k
+        assert moe.quant.activations == "dynamic" and bk is not None
+
+        def quantize(rows):  # the kernel's W8A8 activations: per 1 x Bk group
+            return dequantize_fp8(*quantize_fp8_per_group(rows, bk), (1, bk))
+
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             for t in (1, 40):
                 x = torch.randn(t, moe.hidden_size, device="cuda", generator=g).to(dtype)
                 weights, ids = select_experts(torch.randn(t, moe.num_experts, device="cuda", generator=g), moe.top_k,
                                               moe.renormalize)
                 out = moe.apply_experts(x, weights, ids, None)
-                ref = fused_experts_reference(x.float().cpu(), w13, w2, weights.cpu(), ids.cpu(), moe.activation)
+                ref = fused_experts_reference(x.float().cpu(), w13, w2, weights.cpu(), ids.cpu(), moe.activation,
+                                              quantize=quantize if w8a8 and dtype != torch.float32 else None)
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
                 assert out.dtype == dtype and err <= tol, f"{dtype}, T={t}: rel err {err:.2e}"
     del model

@@ -201,6 +201,22 @@ def test_fused_moe_layer_passes_its_fp8_experts(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_fused_moe_layer_asks_w8a8_when_the_checkpoint_quantizes_activations(monkeypatch):
+    """Dynamic and static checkpoints ask `kernels.fused_experts_fp8` for W8A8 (the kernel then checks the device
+    and dtype: `uses_w8a8`), weight-only ones do not; block scales go as per-row (1, Bk) blocks."""
+    from tokenmill import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "fused_experts_fp8", lambda x, *a, **kw: calls.append(kw) or x)
+    x, weights, ids = torch.zeros(1, 64), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64)
+    for block, acts in (((32, 32), "dynamic"), (None, "static"), (None, None)):
+        moe = moe_mod.FusedMoE(2, 1, 64, 32, renormalize=False, reduce_results=False)
+        moe.quantize(Fp8Scheme(block, acts))
+        moe.apply_fp8_experts(x, weights, ids, None)
+    assert [(c["quantize_activations"], c["block_size"]) for c in calls] == [(True, (1, 32)), (True, None),
+                                                                             (False, None)]
+
+
 def test_benchmark_config_dummy_experts(tmp_path, monkeypatch):
     """A tiny version of benchmarks/configs/qwen3-30b-a3b-fp8.json (Qwen3-30B-A3B-FP8's quantization_config:
     fp8 e4m3, dynamic, 128 x 128 blocks) loads dummy FP8 experts on the CPU (kept in FP8 here, as on a GPU), and
