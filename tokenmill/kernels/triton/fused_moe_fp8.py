@@ -1,18 +1,40 @@
-"""Fused MoE with FP8 (e4m3) expert weights on CUDA: grouped GEMMs that decode each expert tile in the K loop.
+"""Fused MoE with FP8 (e4m3) expert weights on CUDA: grouped GEMMs on the experts' e4m3 bytes, W8A8 or weight-only.
 
 Same scheme as `fused_moe.py` (its `moe_align_block_size` sorts the
 (token, expert) pairs by expert into BLOCK_M-row tiles of one expert each;
 launch 1 computes [gate | up] = x @ w13[e]^T (+ b13[e]) per pair, then
 `moe_activation.act_and_mul`; launch 2 the routing-weighted rows of
 inter @ w2[e]^T (+ b2[e]), summed over the top-k slots in float32). The B
-operand is the experts' e4m3 bytes (`kernels/fp8.py` format): each program
-reads only its tile's expert's [BLOCK_N, BLOCK_K] bytes, decodes them with
-integer operations (`fp8_quant.e4m3_to_f16_div256`, the dense FP8 GEMM's
-decode: no FP8 instruction, so it also compiles for sm_70) to float16 holding
-value / 256, exact, then to the activation dtype (float16 -> bfloat16 is exact
-for these values), and feeds the tile to `tl.dot` from registers
-(acc^T [BLOCK_N, BLOCK_M] = W_tile @ A_tile^T, as the int4 and MXFP4 MoE
-kernels). Weight-only (W8A16): activations stay 16-bit on every device.
+operand is the experts' e4m3 bytes (`kernels/fp8.py` format); each program
+reads only its tile's expert's [BLOCK_N, BLOCK_K] bytes and computes
+acc^T [BLOCK_N, BLOCK_M] = W_tile @ A_tile^T (as the int4 and MXFP4 MoE kernels).
+Two modes (`uses_w8a8` picks; `fused_experts_fp8_triton(quantize_activations=False)`
+forces weight-only, for comparisons):
+
+- W8A8, effective cc >= 8.9 (FP8 tensor cores; `splitk.device_facts` honours
+  TOKENMILL_FORCE_CC70), 16-bit activations, a checkpoint that quantizes
+  activations: as the dense `fp8_gemm.py`, x is quantized once per token (per
+  1 x Bk group for block weights; with a static input scale when given) by
+  `fp8_quant.quantize_fp8_triton`, the activated intermediate rows again before
+  w2; the weight tile is loaded as float8e4nv (no decode) and multiplied by the
+  e4m3 activation tile in an fp8 `tl.dot` with max_num_imprecise_acc=BLOCK_K
+  (every BLOCK_K-deep partial product promoted to float32: sm_90's fp8 wgmma
+  keeps ~14 bits of its running sum otherwise); activation scales multiply the
+  accumulator per K tile (groups) or once at the end (per token / static).
+- Weight-only (W8A16): cc < 8.9, float32 activations, weight-only checkpoints.
+  The bytes are decoded with integer operations (`fp8_quant.e4m3_to_f16_div256`,
+  the dense FP8 GEMM's decode: no FP8 instruction, so it also compiles for
+  sm_70) to float16 holding value / 256, exact, then to the activation dtype
+  (float16 -> bfloat16 is exact for these values), and the tile goes to
+  `tl.dot` from registers. bfloat16: decoding e4m3 straight into bfloat16 bits
+  with the float16 trick (value * 2^-120) is unsafe, e4m3's subnormals would
+  land on bfloat16 subnormals, which an MMA may flush; an exact direct decode
+  (e4m3 subnormals encoded with exponent 1, then 2^-6 subtracted in bfloat16:
+  Sterbenz-exact) was tried and dropped: ptxas already turns float16 -> float32
+  -> bfloat16 into one HADD2.F32 per element and one F2FP pack per two, while
+  the direct decode's compares and selects added 28% more SASS instructions to
+  the sm_90 kernel (BLOCK_M 16: 1,824 vs 1,424; 14-28% over the default rows,
+  18-27% on sm_80; counted with cuobjdump, not timed).
 
 Scales (float32), applied to the float32 accumulator, never to the 16-bit tile:
 
@@ -21,10 +43,11 @@ Scales (float32), applied to the float32 accumulator, never to the 16-bit tile:
     block        [E, ceil(N / Bn), ceil(K / Bk)]      per K tile (BLOCK_K divides Bk):
                                                       acc += (W_tile @ A^T) * s[n // Bn, k0 // Bk]
 
-so every product is e4m3 value x activation, exact in the dot's float32
-accumulator, and the result differs from "dequantize in float32, multiply in
-float32" only by summation order and by the rounding of the intermediate
-[gate | up] rows to the activation dtype. FusedMoE stores block scales
+so every weight-only product is e4m3 value x activation, exact in the dot's
+float32 accumulator, and the result differs from "dequantize in float32,
+multiply in float32" only by summation order and by the rounding of the
+intermediate [gate | up] rows to the activation dtype (W8A8: on the quantized
+activations, plus the fp8 MMA's truncation inside each BLOCK_K-deep sum). FusedMoE stores block scales
 repeated per row (`layers/fp8_params.py`: [E, N, ceil(K / Bk)], i.e. Bn = 1).
 
 Compared with the path this replaced (dequantize all E experts of a layer to
@@ -34,7 +57,8 @@ written (Qwen3-30B-A3B: 1.2 GB per layer in bfloat16 before).
 
 Interpreter (TRITON_INTERPRET=1, CPU tests): its bfloat16 `tl.dot` is wrong
 (see `fp8_gemm.py`), so bfloat16 tiles are multiplied there as exact float32
-dots (the same products). cc < 8.0: the same kernel, one stage, smaller tiles;
+dots (the same products); its fp8 loads and fp8 dots are exact, so W8A8 runs
+as on the GPU minus the MMA's truncation. cc < 8.0: the same kernel, one stage, smaller tiles;
 Triton lowers `tl.dot` to FMAs there (shared/PLATFORMS.md).
 """
 
@@ -88,8 +112,9 @@ def grouped_fp8_gemm_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] output tile of one expert: rows are the tile's (token, expert) pairs (sorted by
     `fused_moe.moe_align_block_size`), C[pair] = A[pair // TOP_K_DIV] @ (q[expert] * s[expert])^T (+ bias[expert])
-    (times the pair's routing weight when MUL_ROUTED_WEIGHT), the e4m3 bytes decoded tile by tile inside the K
-    loop, float32 accumulation. Grid (tiles, cdiv(N, BLOCK_N)); tiles past the padded total return.
+    (times the pair's routing weight when MUL_ROUTED_WEIGHT), float32 accumulation: fp8 dots on e4m3 activations
+    (A_FP8, A[r] = q_a[r] * a_scale[r, group]) or the e4m3 bytes decoded tile by tile inside the K loop.
+    Grid (tiles, cdiv(N, BLOCK_N)); tiles past the padded total return.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
