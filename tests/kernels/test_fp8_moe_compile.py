@@ -1,11 +1,11 @@
-"""Compile the FP8 grouped-MoE kernel for sm_70 (V100) and sm_90 (H100/H200) without a GPU.
+"""Compile the FP8 grouped-MoE kernel for sm_70 (V100), sm_89 (Ada, W8A8) and sm_90 (H100/H200) without a GPU.
 
 Same mechanism as test_mxfp4_compile.py (triton.compile with an explicit GPUTarget in a subprocess without
 TRITON_INTERPRET; ptxas -v from the triton wheel). The variants are launches `fused_experts_fp8_triton` picks
 (`fused_moe_fp8.DEFAULT_CONFIGS*`): cc 7.0 float16 with 32 x 32 weight tiles and one stage (gate/up with block
 scales, down with per-channel scales and the routing weight); cc 9.0 bfloat16, every row of the default
 table with block scales, and every row of the W8A8 table (fp8 operands, block scales, 1 x 128 activation
-groups). sm_70's PTX must hold no FP8 conversion (the e4m3 bytes are decoded with integer operations); sm_90's
+groups) for cc 8.9 and 9.0. sm_70's PTX must hold no FP8 conversion (the e4m3 bytes are decoded with integer operations); sm_90's
 dots must reach the tensor cores (e4m3 x e4m3 MMAs for W8A8).
 """
 
@@ -39,7 +39,9 @@ SCRIPT = textwrap.dedent(
         r = compile_with_ptxas(name, f8.grouped_fp8_gemm_kernel, cc, ptrs, cx, warps, stages, ptx_marker=marker,
                                aligned=aligned)
         if fp8:
-            r["pipelined"] = r["shared"] >= stages * (c_tile := cx["BLOCK_K"] * (cx["BLOCK_N"] + cx["BLOCK_M"]))
+            # at least two buffers of the [BLOCK_N + BLOCK_M, BLOCK_K] fp8 tiles (sm_90 takes num_stages of them,
+            # sm_89 num_stages - 1)
+            r["pipelined"] = r["shared"] >= 2 * (c_tile := cx["BLOCK_K"] * (cx["BLOCK_N"] + cx["BLOCK_M"]))
             r["stage_bytes"] = c_tile
         r["marker"] = r.pop("ptx_has_marker")
         return r
@@ -61,29 +63,32 @@ SCRIPT = textwrap.dedent(
                                    cx(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_SCALES=True),
                                    c.num_warps, c.num_stages))
     # W8A8: every row of DEFAULT_CONFIGS_W8A8 with block weight scales and 1 x 128 activation groups.
-    for _, c in f8.DEFAULT_CONFIGS_W8A8:
-        results.append(compile_one(f"cc90_w8a8_m{c.block_m}", 90, "*bf16", "*bf16",
-                                   cx(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_SCALES=True,
-                                      A_FP8=True, A_GROUP=True),
-                                   c.num_warps, c.num_stages))
+    # sm_89 (Ada: mma.sync, 99 KB of shared memory) and sm_90 (wgmma).
+    for cc in (89, 90):
+        for _, c in f8.DEFAULT_CONFIGS_W8A8:
+            results.append(compile_one(f"cc{cc}_w8a8_m{c.block_m}", cc, "*bf16", "*bf16",
+                                       cx(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_SCALES=True,
+                                          A_FP8=True, A_GROUP=True),
+                                       c.num_warps, c.num_stages))
     print(json.dumps(results))
     """
 )
 
 
 @pytest.mark.slow
-def test_fp8_moe_kernel_compiles_for_sm70_and_sm90():
+def test_fp8_moe_kernel_compiles_for_sm70_sm89_and_sm90():
     require("triton")
     results = compile_in_subprocess(SCRIPT)
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("cc70_gate_up_m16", 70), ("cc70_down_m32", 70), ("cc90_m16", 90), ("cc90_m32", 90), ("cc90_m64", 90),
+        ("cc89_w8a8_m16", 89), ("cc89_w8a8_m32", 89), ("cc89_w8a8_m64", 89),
         ("cc90_w8a8_m16", 90), ("cc90_w8a8_m32", 90), ("cc90_w8a8_m64", 90),
     ]
     for r in results:
-        assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r
-        assert r["cubin_bytes"] > 0 and r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r
-        # sm_70: no FP8 conversion instruction in the PTX; sm_90: tensor-core dots (mma / wgmma), e4m3 x e4m3
-        # ones for W8A8.
-        assert r["marker"] == (r["cc"] == 90), r
+        assert r["ptx_target"] == [{70: "sm_70", 89: "sm_89", 90: "sm_90a"}[r["cc"]]], r
+        assert r["cubin_bytes"] > 0 and r["shared"] <= {70: 96, 89: 99, 90: 227}[r["cc"]] * 1024, r
+        # sm_70: no FP8 conversion instruction in the PTX; sm_89 / sm_90: tensor-core dots (mma / wgmma),
+        # e4m3 x e4m3 ones for W8A8.
+        assert r["marker"] == (r["cc"] != 70), r
         assert r["registers"] <= 255 and r["spill_bytes"] == 0, r
-        assert r.get("pipelined", True), r  # W8A8: num_stages buffers of the fp8 tiles in shared memory
+        assert r.get("pipelined", True), r  # W8A8: the fp8 tiles pipelined through shared memory
