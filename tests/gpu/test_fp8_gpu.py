@@ -5,8 +5,8 @@ A tiny random Llama is written in the fp8 block layout and as compressed-tensors
 (the Triton FP8 GEMM for float32 activations), so each layer's reference is `kernels.fp8.fp8_linear_reference`
 with the activation quantization, and the engine's greedy tokens are compared with transformers on the
 checkpoint's dequantized weights with the same activation quantization hooked in; below 8.9 (or with
-TOKENMILL_FORCE_CC70=1) they run weight-only and the references keep the activations unquantized. `--load-format dummy --quantization fp8` on a
-bfloat16 config checks the speed-run path: FP8 parameters on the GPU, weight bytes reported, every layer equal
+TOKENMILL_FORCE_CC70=1) they run weight-only and the references keep the activations unquantized.
+`--load-format dummy --quantization fp8` on a bfloat16 config checks the speed-run path: FP8 parameters on the GPU, weight bytes reported, every layer equal
 to the FP8 reference of its own weights (bfloat16: torch._scaled_mm on cc >= 8.9). A tiny Qwen3-MoE in the fp8
 block layout checks the experts: e4m3 on the GPU, run by the FP8 fused-MoE kernel, equal to the reference on
 their dequantized weights, and greedy tokens equal to transformers'.
@@ -90,10 +90,15 @@ def tiny_qwen3_moe(tmp_path_factory) -> str:
 
 def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
     """The experts stay e4m3 on the GPU and run `kernels.fused_experts_fp8` (float32 and bfloat16 activations),
-    equal to `fused_experts_reference` on their dequantized weights; the engine's greedy tokens (CUDA graphs)
-    equal transformers' on the checkpoint's weights up to near-ties (experts weight-only on both sides)."""
+    equal to `fused_experts_reference` on their dequantized weights (bfloat16 on cc >= 8.9 with the layer's
+    FP8_EXPERTS_W8A8 on: W8A8, the reference quantizing each projection's input rows as the kernel does); the
+    engine's greedy tokens (CUDA graphs, float32:
+    experts weight-only) equal transformers' on the checkpoint's weights up to near-ties."""
     from fp8_checkpoints import write_fp8_checkpoint
 
+    from tokenmill.kernels.fp8 import dequantize_fp8, quantize_fp8_per_group
+    from tokenmill.kernels.triton.splitk import device_facts
+    from tokenmill.layers.fused_moe import layer as moe_layer
     from tokenmill.layers.fused_moe.layer import FusedMoE
     from tokenmill.layers.fused_moe.reference import fused_experts_reference, select_experts
     from tokenmill.model_loader import get_model
@@ -104,15 +109,23 @@ def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(m.w13_weight.dtype == torch.float8_e4m3fn and m.w13_weight.is_cuda for m in moes)
     g = torch.Generator(device="cuda").manual_seed(0)
+    w8a8 = moe_layer.FP8_EXPERTS_W8A8 and device_facts(torch.device("cuda", torch.cuda.current_device()))[0] >= (8, 9)
     for moe in moes:
         w13, w2 = (moe.fp8_dense(p, torch.float32).cpu() for p in ("w13", "w2"))
+        bk = moe.quant.block_k
+        assert moe.quant.activations == "dynamic" and bk is not None
+
+        def quantize(rows):  # the kernel's W8A8 activations: per 1 x Bk group
+            return dequantize_fp8(*quantize_fp8_per_group(rows, bk), (1, bk))
+
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             for t in (1, 40):
                 x = torch.randn(t, moe.hidden_size, device="cuda", generator=g).to(dtype)
                 weights, ids = select_experts(torch.randn(t, moe.num_experts, device="cuda", generator=g), moe.top_k,
                                               moe.renormalize)
                 out = moe.apply_experts(x, weights, ids, None)
-                ref = fused_experts_reference(x.float().cpu(), w13, w2, weights.cpu(), ids.cpu(), moe.activation)
+                ref = fused_experts_reference(x.float().cpu(), w13, w2, weights.cpu(), ids.cpu(), moe.activation,
+                                              quantize=quantize if w8a8 and dtype != torch.float32 else None)
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
                 assert out.dtype == dtype and err <= tol, f"{dtype}, T={t}: rel err {err:.2e}"
     del model

@@ -28,9 +28,13 @@ def compile_in_subprocess(script: str, timeout: int = 600) -> list[dict]:
 
 
 def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], constexprs: dict, warps: int,
-                       stages: int, ptx_marker: str | None = None) -> dict:
+                       stages: int, ptx_marker: str | None = None, aligned: tuple[str, ...] = ()) -> dict:
     """Compile `kernel` for sm_<cc> (arguments not in `pointers` / `constexprs` are i32) and run the triton
     wheel's `ptxas -v` on its PTX; call it inside `compile_in_subprocess` (no TRITON_INTERPRET).
+
+    aligned: arguments marked divisible by 16 (tt.divisibility), as a launch specializes 16-byte aligned
+    pointers and multiples of 16; without them (and unit strides given as constexprs) loads stay scalar and
+    Triton does not pipeline them through cp.async.
 
     Returns: dict(kernel=name, cc, ptx_target (the PTX .target list), cubin_bytes, shared (bytes per block),
     registers (per thread), spill_bytes), plus ptx_has_marker (bool) when `ptx_marker` is given.
@@ -44,7 +48,8 @@ def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], con
 
     sig = {n: pointers.get(n, "i32") for n in kernel.arg_names}
     sig.update({n: "constexpr" for n in constexprs})
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     target = [line.split()[1] for line in ptx.splitlines() if line.startswith(".target")]

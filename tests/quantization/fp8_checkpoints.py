@@ -8,7 +8,7 @@ MoE router stay as they are) and writes:
   `weight_scale_inv` [ceil(N/128), ceil(K/128)] float32, `weight_block_size: [128, 128]`, dynamic activations;
 - "fp8-tensor-static": `quant_method: fp8` with one float32 `weight_scale` per tensor and a calibrated static
   `input_scale` per module (amax of its input over a few random tokens / 448, as llm-compressor's static
-  observer); per-expert modules get input_scale 1 (tokenmill checks and drops them: experts run weight-only);
+  observer); per-expert modules get input_scale 1 (tokenmill checks and drops them: experts quantize per token);
 - "ct-fp8-dynamic": compressed-tensors float-quantized, llm-compressor's FP8_DYNAMIC scheme (channel weights
   [N, 1], dynamic per-token activations), compressed by compressed-tensors' own `FloatQuantizationCompressor`
   from scales of its own `calculate_qparams`;
@@ -218,7 +218,7 @@ def fake_quantize_activations(x: torch.Tensor, group: int | None, static_scale: 
 
 def activation_hooks(model: torch.nn.Module, folder: str) -> list:
     """Forward pre-hooks quantizing the input of every nn.Linear the FP8 folder quantizes (W8A8 layouts only;
-    experts, stacked in transformers 5 and weight-only in tokenmill, stay 16-bit). Returns the handles."""
+    experts, stacked in transformers 5 and weight-only in tokenmill's float32 models, stay unquantized). Returns the handles."""
     layout, q = _layout_of(folder)
     if layout == "ct-fp8-w8a16":
         return []

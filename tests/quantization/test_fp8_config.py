@@ -102,7 +102,7 @@ def test_converter_layouts():
         "m.experts.0.up_proj.weight": w, "m.experts.0.up_proj.weight_scale": torch.tensor(2.0),
         "m.experts.0.up_proj.input_scale": torch.tensor(1.0)})
     assert torch.equal(static["a.weight_scale"], torch.full((200,), 0.5)) and static["a.input_scale"].tolist() == [0.25]
-    assert "m.experts.0.up_proj.input_scale" not in static  # experts run weight-only
+    assert "m.experts.0.up_proj.input_scale" not in static  # experts quantize dynamically: checked, not kept
     channel = _convert(parse_quantization_config(_ct()), {"a.weight": w, "a.weight_scale": torch.ones(200, 1)})
     assert channel["a.weight_scale"].shape == (200,) and channel["a.weight_scale"].dtype == torch.float32
 

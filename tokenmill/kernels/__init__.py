@@ -247,16 +247,19 @@ def fused_experts_mxfp4(hidden_states: torch.Tensor, w13_blocks: torch.Tensor, w
 def fused_experts_fp8(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       activation: str = "silu", w13_bias: torch.Tensor | None = None,
-                      w2_bias: torch.Tensor | None = None,
-                      block_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """`fused_experts` with FP8 e4m3 expert weights decoded inside the grouped GEMMs (weight-only), CUDA:
-    hidden [T, H], w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn, float32 scales per expert [E], per channel
-    [E, N] or with block_size (Bn, Bk) [E, ceil(N / Bn), ceil(K / Bk)], topk [T, k], optional biases [E, 2I] /
-    [E, H] -> [T, H] (`kernels.triton.fused_moe_fp8.fused_experts_fp8_triton`)."""
+                      w2_bias: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+                      quantize_activations: bool = True) -> torch.Tensor:
+    """`fused_experts` with FP8 e4m3 expert weights, CUDA: hidden [T, H], w13 [E, 2I, H] / w2 [E, H, I]
+    float8_e4m3fn, float32 scales per expert [E], per channel [E, N] or with block_size (Bn, Bk)
+    [E, ceil(N / Bn), ceil(K / Bk)], topk [T, k], optional biases [E, 2I] / [E, H] -> [T, H]. W8A8 (activations
+    quantized per token, per 1 x Bk group with block scales) when quantize_activations, cc >= 8.9 and 16-bit
+    activations, else weight-only, the e4m3 bytes decoded in the grouped GEMMs
+    (`kernels.triton.fused_moe_fp8.fused_experts_fp8_triton`)."""
     from tokenmill.kernels.triton.fused_moe_fp8 import fused_experts_fp8_triton
 
     return fused_experts_fp8_triton(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation,
-                                    w13_bias=w13_bias, w2_bias=w2_bias, block_size=block_size)
+                                    w13_bias=w13_bias, w2_bias=w2_bias, block_size=block_size,
+                                    quantize_activations=quantize_activations)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,

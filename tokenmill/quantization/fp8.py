@@ -171,6 +171,6 @@ def convert_module(cfg: QuantizationConfig, prefix: str, parts: dict[str, torch.
     out = {"weight": weight, "weight_scale": out_scale}
     if "input_scale" in parts:
         input_scale = _check_scalar(f"{prefix}.input_scale", "activation_scheme", parts["input_scale"])
-        if not _EXPERT_RE.search(prefix + "."):  # experts run weight-only (layers/fused_moe): checked, not kept
+        if not _EXPERT_RE.search(prefix + "."):  # experts quantize dynamically (layers/fused_moe): checked, not kept
             out["input_scale"] = input_scale
     return out

@@ -22,8 +22,9 @@ e4m3 bytes on the GPU and run through `kernels.fp8_linear` (kernels/triton/fp8_g
 - cc 8.0 - 8.8 (Ampere) and cc 7.x (V100, T4: no FP8 arithmetic): weight-only at every checkpoint's scheme (a
   W8A8 checkpoint's activations stay 16-bit): the Triton GEMM decodes the e4m3 bits to float16 with integer
   ops; cc 7.x multiplies small batches with float32 FMAs and larger ones through dequantize + cuBLAS.
-- MoE experts, every GPU: weight-only, the Triton FP8 grouped GEMM decoding the routed experts' e4m3 bytes in the
-  kernel (16-bit activations; kernels/triton/fused_moe_fp8.py).
+- MoE experts (kernels/triton/fused_moe_fp8.py): the Triton FP8 grouped GEMM decoding the routed experts' e4m3
+  bytes in the kernel (weight-only). Its W8A8 mode (fp8 dots; the MoE input per token or per 1 x 128 group, the
+  activated rows again) is off (`layers.fused_moe.layer.FP8_EXPERTS_W8A8`) until measured on a GPU.
 - CPU: dequantized into the weight dtype at load.
 """
 
@@ -46,7 +47,7 @@ _CPU = "dequantized into the weight dtype at load, then the CPU path (16/32-bit 
 _FP8_CC89 = ("W8A8 as the checkpoint says (activations per token, per 1 x 128 group or static): the Triton FP8 GEMM "
              "(M <= 16, block scales, float16) or torch._scaled_mm (per-channel, bfloat16, M > 16); weight-only "
              "checkpoints: Triton GEMM decoding e4m3 in the kernel; MoE: weight-only Triton FP8 grouped GEMM "
-             "decoding e4m3 in the kernel")
+             "decoding e4m3 in the kernel (its W8A8 fp8-dot mode is built, off until measured on a GPU)")
 _FP8_CC80 = ("weight-only (W8A8 checkpoints keep 16-bit activations: no FP8 arithmetic before cc 8.9): Triton GEMM "
              "decoding e4m3 in the kernel (split-K small M, tiled medium M), dequantize + cuBLAS (large M); MoE: "
              "Triton FP8 grouped GEMM decoding e4m3 in the kernel")

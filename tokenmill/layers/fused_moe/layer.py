@@ -26,9 +26,13 @@ FP8 experts: `quantize(Fp8Scheme)` makes `w13_weight` / `w2_weight` float8_e4m3f
 with per-row `w13_weight_scale` / `w2_weight_scale` (`layers/fp8_params.py`;
 block scales as [E, N, ceil(K / Bk)], one row of K blocks per output row).
 CUDA runs `kernels.fused_experts_fp8`: grouped GEMMs that decode the routed
-experts' e4m3 bytes inside the kernel, weight-only whatever the checkpoint's
-activation scheme (16-bit activations; the experts' static input_scales are
-checked at load and not used). The CPU dequantizes them once, after loading.
+experts' e4m3 bytes in the kernel (weight-only); with FP8_EXPERTS_W8A8 (off
+until measured on a GPU), W8A8 grouped GEMMs (fp8 dots) when the checkpoint
+quantizes activations and the device has FP8 arithmetic (cc >= 8.9, 16-bit
+activations), the MoE input quantized per token (per 1 x Bk group with block
+scales) and the activated rows again before w2. A static
+checkpoint's expert input_scales are checked at load and not kept: its experts
+quantize dynamically, per token. The CPU dequantizes them once, after loading.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 
 logger = logging.getLogger(__name__)
+# FP8 experts of checkpoints that quantize activations run the W8A8 mode of `kernels.fused_experts_fp8` (fp8
+# dots) only when this is True. Off until an H200 run has checked and timed it (built in session 9 after the
+# session's GPU time was spent: `pytest -m gpu tests/kernels/test_fused_moe_fp8.py`, `python
+# benchmarks/gpu/fp8_moe.py --sweep`); meanwhile they run weight-only, the path the H200 tests passed.
+FP8_EXPERTS_W8A8 = False
 # One warning per process about FP8 experts (every FusedMoE layer of a model gets the same scheme).
 _FP8_EXPERTS_LOGGED = False
 
@@ -178,11 +187,15 @@ class FusedMoE(nn.Module):
 
     def _quantize_fp8(self, scheme: Fp8Scheme) -> None:
         global _FP8_EXPERTS_LOGGED
-        if scheme.activations is not None and not _FP8_EXPERTS_LOGGED:
+        if scheme.activations is not None and not FP8_EXPERTS_W8A8 and not _FP8_EXPERTS_LOGGED:
             _FP8_EXPERTS_LOGGED = True
-            logger.warning("FP8 experts run weight-only (e4m3 weights decoded in the fused-MoE kernel, 16-bit "
-                           "activations): the checkpoint's activation_scheme %r applies to the linear layers only",
-                           scheme.activations)
+            logger.warning("FP8 experts run weight-only (16-bit activations): the checkpoint's %s activation "
+                           "quantization applies to the linear layers (the experts' W8A8 mode is not yet measured "
+                           "on a GPU)", scheme.activations)
+        elif scheme.activations == "static" and not _FP8_EXPERTS_LOGGED:
+            _FP8_EXPERTS_LOGGED = True
+            logger.warning("FP8 experts quantize their activations dynamically, per token: the checkpoint's static "
+                           "input_scales apply to the linear layers only (the experts' ones are checked, not used)")
         e, i_p, device = self.num_experts, self.intermediate_size_per_partition, self.w13_weight.device
         self.params_dtype = self.w13_weight.dtype
         parts = (("w13", 2 * i_p, self.w13_weight.full_shape[1], self.w13_input),
@@ -205,12 +218,14 @@ class FusedMoE(nn.Module):
 
     def apply_fp8_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                           w2_bias: torch.Tensor | None) -> torch.Tensor:
-        """`apply_experts` for FP8 experts through `kernels.fused_experts_fp8` (the e4m3 bytes decoded in the
-        grouped GEMMs; CUDA, or the Triton interpreter in tests)."""
+        """`apply_experts` for FP8 experts through `kernels.fused_experts_fp8` (CUDA, or the Triton interpreter in
+        tests): W8A8 when FP8_EXPERTS_W8A8, the checkpoint quantizes activations and the device allows it, else
+        weight-only."""
         block = None if self.quant.block_k is None else (1, self.quant.block_k)  # scales repeated per row
         return kernels.fused_experts_fp8(hidden_states, self.w13_weight, self.w13_weight_scale, self.w2_weight,
                                          self.w2_weight_scale, topk_weights, topk_ids, self.activation,
-                                         w13_bias=self.w13_bias, w2_bias=w2_bias, block_size=block)
+                                         w13_bias=self.w13_bias, w2_bias=w2_bias, block_size=block,
+                                         quantize_activations=FP8_EXPERTS_W8A8 and self.quant.activations is not None)
 
     def quant_tensors(self, part: str):
         """`QuantTensors` of "w13" or "w2" (after `quantize`), expert dim first."""

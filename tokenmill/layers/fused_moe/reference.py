@@ -15,6 +15,8 @@ before the routing weight: w2[e] @ act(w13[e] x + b13[e]) + b2[e].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +58,7 @@ def fused_experts_reference(
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Expert MLPs of every (token, expert) pair, grouped by expert, summed over top-k.
 
@@ -68,6 +71,8 @@ def fused_experts_reference(
         activation: "silu" (SwiGLU), "gelu" or "swigluoai" (`kernels.moe_activation`).
         w13_bias: [E, 2 * I] or None; w2_bias: [E, H] or None (a TP rank other
             than 0 passes None: its partial sums are all-reduced).
+        quantize: W8A8 references: [rows, K] -> [rows, K], applied to each projection's input rows (the
+            tokens' rows, the activated rows) before the product, e.g. an FP8 quantize-dequantize per row.
 
     Returns:
         [T, H] in hidden_states' dtype. Products are in the input dtype (as
@@ -90,7 +95,8 @@ def fused_experts_reference(
         x = hidden_states.index_select(0, pairs // top_k)
         b13 = w13_bias[expert] if w13_bias is not None else None
         b2 = w2_bias[expert] if w2_bias is not None else None
-        y = F.linear(act_and_mul(F.linear(x, w13[expert], b13), activation), w2[expert], b2)
+        q = quantize or (lambda rows: rows)
+        y = F.linear(q(act_and_mul(F.linear(q(x), w13[expert], b13), activation)), w2[expert], b2)
         out.index_copy_(0, pairs, y.float())
     out = out.view(num_tokens, top_k, hidden_size) * topk_weights.float().unsqueeze(-1)
     return out.sum(dim=1).to(hidden_states.dtype)
