@@ -64,7 +64,8 @@ def topk_softmax_kernel(
         # No candidate (NaN logits): the lowest expert not yet chosen, with weight 0.
         first_free = tl.min(tl.where(taken, E_PAD, cols[None, :]), axis=1)
         found = idx < E_PAD
-        idx = tl.where(found, idx, first_free)
+        # (A row of only NaN logits has no free expert either: clamp to a valid id, weight 0.)
+        idx = tl.minimum(tl.where(found, idx, first_free), num_experts - 1)
         prob = tl.math.div_rn(exp_f32(tl.where(row_mask, best - row_max, 0.0), USE_LIBDEVICE), denom)
         prob = tl.where(found, prob, 0.0)
         weights = tl.where(slots[None, :] == j, prob[:, None], weights)
