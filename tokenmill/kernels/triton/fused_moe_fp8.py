@@ -3,8 +3,9 @@
 Same scheme as `fused_moe.py` (its `moe_align_block_size` sorts the
 (token, expert) pairs by expert into BLOCK_M-row tiles of one expert each;
 launch 1 computes [gate | up] = x @ w13[e]^T (+ b13[e]) per pair, then
-`moe_activation.act_and_mul`; launch 2 the routing-weighted rows of
-inter @ w2[e]^T (+ b2[e]), summed over the top-k slots in float32). The B
+`fused_moe.expert_activation`; launch 2 the routing-weighted rows of
+inter @ w2[e]^T (+ b2[e]), summed over the top-k slots in float32 by
+`fused_moe.moe_sum`). The B
 operand is the experts' e4m3 bytes (`kernels/fp8.py` format); each program
 reads only its tile's expert's [BLOCK_N, BLOCK_K] bytes and computes
 acc^T [BLOCK_N, BLOCK_M] = W_tile @ A_tile^T (as the int4 and MXFP4 MoE kernels).
@@ -72,10 +73,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8 import FP8_DTYPE, fp8_bits
-from tokenmill.kernels.moe_activation import act_and_mul
 from tokenmill.kernels.triton.fp8_gemm import _block_k_for
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, quantize_fp8_triton
-from tokenmill.kernels.triton.fused_moe import moe_align_block_size, tile_pairs
+from tokenmill.kernels.triton.fused_moe import expert_activation, moe_align_block_size, moe_sum, tile_pairs
 from tokenmill.kernels.triton.numerics import round_code, round_to, use_libdevice
 from tokenmill.kernels.triton.splitk import device_facts
 
@@ -408,12 +408,9 @@ def fused_experts_fp8_triton(
     gate_up = _new_output((num_pairs, two_inter), hidden_states.dtype, hidden_states.device)
     a, a_scale = quantize_rows(hidden_states, s13, w13_input_scale) if w8a8 else (hidden_states, None)
     grouped_fp8_gemm(a, w13_bits, s13, w13_bias, gate_up, None, aligned, top_k, cfg, a_scale)
-    inter = act_and_mul(gate_up, activation)
+    inter = expert_activation(gate_up, activation)
     a, a_scale = quantize_rows(inter, s2, w2_input_scale) if w8a8 else (inter, None)
     down = _new_output((num_pairs, hidden_size), torch.float32, hidden_states.device)
     grouped_fp8_gemm(a, w2_bits, s2, w2_bias, down, topk_weights.reshape(-1).float().contiguous(), aligned, 1,
                      cfg, a_scale)
-    out = down.view(num_tokens, top_k, hidden_size).sum(dim=1)
-    if hidden_states.dtype == torch.float16:
-        out = out.clamp_(-65504.0, 65504.0)
-    return out.to(hidden_states.dtype)
+    return moe_sum(down, top_k, hidden_states.dtype)  # float32 sum, one rounding, float16 clamped
