@@ -151,6 +151,12 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+def _auth_headers() -> dict[str, str]:
+    """`Authorization: Bearer $OPENAI_API_KEY` when that is set (a server started with --api-key), else none."""
+    api_key = envs.openai_api_key()
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _chunk_token_ids_count(chunk: dict[str, Any]) -> int | None:
     """Tokens one stream chunk says it carries: its `token_ids` (vLLM's `return_token_ids`), else its
     logprobs entries (chat `logprobs.content`, completions `logprobs.tokens`); None when it says neither."""
@@ -183,9 +189,7 @@ async def send_request(session: Any, api_url: str, payload: dict[str, Any], chat
     import aiohttp
 
     out = RequestFuncOutput()
-    headers = {"Content-Type": "application/json"}
-    if api_key := envs.openai_api_key():
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = {"Content-Type": "application/json", **_auth_headers()}
     start = last = out.start_time = time.perf_counter()
     reported: int | None = None  # cumulative completion tokens, when the server reports usage per chunk
     counted = 0  # of those, tokens already given to a content chunk
@@ -256,11 +260,8 @@ async def fetch_first_model(models_url: str) -> str:
     """
     import aiohttp
 
-    headers = {}
-    if api_key := envs.openai_api_key():
-        headers["Authorization"] = f"Bearer {api_key}"
     try:
-        async with aiohttp.ClientSession() as session, session.get(models_url, headers=headers) as resp:
+        async with aiohttp.ClientSession() as session, session.get(models_url, headers=_auth_headers()) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:300]
                 hint = " (set OPENAI_API_KEY to the server's --api-key)" if resp.status == 401 else ""
