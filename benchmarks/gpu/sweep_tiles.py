@@ -1,6 +1,7 @@
 """Sweep the paged-attention tile sizes on the GPU (decode and prefill shapes).
 
-    python benchmarks/gpu/sweep_tiles.py
+    python benchmarks/gpu/sweep_tiles.py            # the tile sweep
+    python benchmarks/gpu/sweep_tiles.py --order    # default tiles, heavy-first vs request-order launch
 
 Prints, per shape, every (block_m, block_n, num_warps, num_stages) tried with
 its median time, best first, so `choose_launch_config` defaults can be set
@@ -54,7 +55,30 @@ def sweep(name, query_lens, ctx, grid):
     return results
 
 
+def order_ab() -> None:
+    """The default tiles in both launch orders (`paged_attention(heavy_first=...)`), one line per shape."""
+    shapes = [("prefill 1024 ctx 0", [1024], 0), ("prefill 2048 ctx 0", [2048], 0),
+              ("prefill 512 ctx 3584", [512], 3584), ("prefill 8 x 128 ctx 0", [128] * 8, 0),
+              ("mixed 4x512 prefill + 128 decodes ctx 1024", [512] * 4 + [1] * 128, 1024),
+              ("decode 64 x ctx 1024", [1] * 64, 1024)]
+    print(f"{'shape':44s} {'heavy-first us':>15s} {'request order us':>17s} {'ratio':>6s}", flush=True)
+    for name, query_lens, ctx in shapes:
+        q, cache, table, seq_lens, qsl = inputs(query_lens, ctx)
+        out = torch.empty_like(q)
+        times = []
+        for heavy in (True, False):
+            def fn(heavy=heavy):
+                paged_attention(q, cache, table, seq_lens, qsl, num_reqs=len(query_lens),
+                                max_query_len=max(query_lens), max_seq_len=ctx + max(query_lens), scale=0.088,
+                                out=out, heavy_first=heavy)
+            times.append(triton.testing.do_bench(fn, warmup=20, rep=100) * 1000)
+        print(f"{name:44s} {times[0]:15.1f} {times[1]:17.1f} {times[0] / times[1]:6.2f}", flush=True)
+
+
 def main() -> None:
+    if "--order" in sys.argv[1:]:
+        order_ab()
+        return
     decode_grid = list(itertools.product([16], [32, 64, 128], [2, 4, 8], [1, 2, 3]))
     prefill_grid = list(itertools.product([64, 128], [32, 64, 128], [4, 8], [1, 2, 3]))
     sweep("decode 64 x ctx 1024", [1] * 64, 1024, decode_grid)

@@ -84,9 +84,11 @@ def test_random_mixed_batches(num_heads, num_kv_heads, head_dim, block_size, win
         _check(batch, _run(batch, **kw), atol=2e-5, **kw)
 
 
-def test_edge_lengths_and_tile_shapes():
+@pytest.mark.parametrize("heavy_first", [True, False])
+def test_edge_lengths_and_tile_shapes(heavy_first):
     """Chunk of 1 at context 0, chunks ending exactly on a block edge, a long
-    chunk spanning several query blocks, and KV tiles smaller than a block."""
+    chunk spanning several query blocks, and KV tiles smaller than a block; in
+    both launch orders (the order must never change a result)."""
     gen = torch.Generator().manual_seed(1)
     ctx = [0, 0, 15, 16, 31, 5]
     q = [1, 16, 1, 16, 2, 21]
@@ -94,7 +96,7 @@ def test_edge_lengths_and_tile_shapes():
                              dtype=torch.float32, device=DEVICE, num_padding_tokens=3, generator=gen)
     kw = {"scale": 0.3}
     for block_m, block_n in [(None, None), (16, 16), (64, 128), (32, 32)]:
-        _check(batch, _run(batch, block_m=block_m, block_n=block_n, **kw), atol=2e-5, **kw)
+        _check(batch, _run(batch, block_m=block_m, block_n=block_n, heavy_first=heavy_first, **kw), atol=2e-5, **kw)
 
 
 @pytest.mark.slow  # the Triton interpreter over many splits: the slowest kernel test on CPU

@@ -31,6 +31,14 @@ on host ints. Example with BLOCK_Q = 4, query lens [3, 1, 6]:
 Tokens past `query_start_loc[num_reqs]` (CUDA-graph padding) belong to a
 virtual last request with no context; their output rows are written as 0.
 
+Launch order (HEAVY_FIRST, the default): grid axis 0 enumerates (query block,
+kv head) pairs with the head fastest and the blocks in reverse, so the GPU
+hands out a request's last query blocks (the most keys under the causal
+mask) first and the short ones fill in behind them (longest-job-first, as
+FlashAttention-2 orders causal blocks), instead of ending the step on a tail
+of long programs. The order changes which program computes what, never the
+result; HEAVY_FIRST = False keeps blocks in request order (for A/B timing).
+
 The KV loop walks BLOCK_N positions at a time and gathers each position's
 physical block from `block_table`, so BLOCK_N and the cache block size are
 independent (any block size works; the engine uses powers of two >= 16).
@@ -53,7 +61,7 @@ by v_scale * unit before the division by l (unit = 256 for e4m3's decode,
 1 for e5m2), so dots run on the fp8 values themselves and the result equals
 attention over the dequantized cache up to float rounding.
 
-Small decode batches split each KV range over grid axis 2 (flash-decoding);
+Small decode batches split each KV range over grid axis 1 (flash-decoding);
 each split writes a partial result and its log-sum-exp, and
 `merge_splits` combines them. Tile sizes and the split count are chosen
 in `attention_config` from host ints only.
@@ -71,7 +79,7 @@ from tokenmill.kernels.triton.kv_fp8 import decode_kv, kv_cache_arg
 from tokenmill.kernels.triton.merge_splits import merge_splits
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "sliding_window"])
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "sliding_window", "num_q_blocks"])
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; SPLIT_KV: fp32 [num_splits, num_tokens, num_heads, head_dim]
     lse_ptr,  # SPLIT_KV only: fp32 [num_splits, num_tokens, num_heads], log2-sum-exp2 of each split
@@ -101,6 +109,8 @@ def paged_attention_kernel(
     stride_bt_req,
     num_queries_per_kv,
     head_dim,
+    num_kv_heads,
+    num_q_blocks,  # grid axis 0 is num_q_blocks * num_kv_heads
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_Q: tl.constexpr,  # new tokens per program
     QPK_PAD: tl.constexpr,  # next power of two >= num_queries_per_kv
@@ -114,10 +124,14 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # KV range split over grid axis 2 (flash-decoding); 1 = off
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
     KV_FP8: tl.constexpr,  # 0: cache in the query's dtype; 1 / 2: e4m3fn / e5m2 bits (triton/kv_fp8.py)
+    HEAVY_FIRST: tl.constexpr,  # axis 0 runs the query blocks last to first (module docstring)
 ):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    flat = tl.program_id(0)
+    kv_head = flat % num_kv_heads
+    pid = flat // num_kv_heads  # query block
+    if HEAVY_FIRST:
+        pid = num_q_blocks - 1 - pid
+    split = tl.program_id(1)
     LOG2E: tl.constexpr = 1.4426950408889634
 
     # Largest request index r in [0, num_reqs] whose first query block <= pid;
@@ -267,6 +281,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    heavy_first: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -295,6 +310,8 @@ def paged_attention(
         sinks: [num_heads] per-head sink logits (any float dtype; gpt-oss):
             each softmax denominator gains exp(sinks[h]); None = off.
         k_scale, v_scale: the layer's fp8 KV scales (host floats); ignored by a 16/32-bit cache.
+        heavy_first: launch each request's query blocks last to first (module docstring); False keeps
+            request order (same result; for timing).
 
     Returns:
         out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
@@ -336,7 +353,8 @@ def paged_attention(
         dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
         lse_split_stride, lse_tok_stride = 0, 0
     fp8 = kv_fp8_code(kv_cache.dtype)
-    grid = (num_tokens // cfg.block_q + num_reqs + 1, num_kv_heads, num_splits)
+    num_q_blocks = num_tokens // cfg.block_q + num_reqs + 1
+    grid = (num_q_blocks * num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         dst,
         lse,
@@ -366,6 +384,8 @@ def paged_attention(
         block_table.stride(0),
         qpk,
         head_dim,
+        num_kv_heads,
+        num_q_blocks,
         BLOCK_SIZE=block_size,
         BLOCK_Q=cfg.block_q,
         QPK_PAD=cfg.qpk_pad,
@@ -379,6 +399,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         SPLIT_KV=split_kv,
         KV_FP8=fp8,
+        HEAVY_FIRST=heavy_first,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
