@@ -463,6 +463,13 @@ def _stop_profiler(prof: Any, top: int = 0) -> float | None:
             print(f"GPU activities: {total / 1e3:.2f} ms in {len(gpu)} launches; top {top}:", flush=True)
             for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
                 print(f"  {sum(times) / 1e3:8.3f} ms {len(times):5d}x  {name[:110]}", flush=True)
+            # The host side of the same window: operators by their own CPU time (where a TTFT far above its
+            # GPU time goes: per-call library setup, synchronizations, Python).
+            host = sorted((a for a in prof.key_averages() if a.self_cpu_time_total > 0),
+                          key=lambda a: -a.self_cpu_time_total)[:top]
+            print(f"host operators by self CPU time; top {top}:", flush=True)
+            for a in host:
+                print(f"  {a.self_cpu_time_total / 1e3:8.3f} ms {a.count:5d}x  {a.key[:110]}", flush=True)
         return float(total) if total > 0 else None
     except Exception as exc:  # noqa: BLE001
         print(f"torch.profiler failed: {exc!r}", flush=True)
