@@ -120,6 +120,8 @@ class StepRecorder:
             self._inner_async = self.executor.execute_model_async
             self.executor.execute_model_async = self._execute_async
         self.cuda = llm.llm_engine.engine_config.device_config.device == "cuda"
+        self.profile_window: tuple[int, int] | None = None  # (first step, steps): kernels of a steady-state window
+        self._prof: Any = None
         self.reset()
 
     def reset(self, timing: bool = False, progress_every: int = 0) -> None:
@@ -147,6 +149,19 @@ class StepRecorder:
         if self.progress_every and self.steps % self.progress_every == 0:
             print(f"  step {self.steps}: {time.perf_counter() - self._start:.1f} s, mean batch "
                   f"{self.reqs / self.steps:.1f} requests", flush=True)
+        if self.profile_window and self.cuda:
+            first, n = self.profile_window
+            if self.steps == first:
+                self._prof, self._prof_tokens = _start_profiler(), 0
+            elif self.steps == first + n and self._prof is not None:
+                print(f"steps {first}..{first + n - 1} under torch.profiler ({self._prof_tokens} scheduled tokens):",
+                      flush=True)
+                us = _stop_profiler(self._prof, top=16)
+                if us:
+                    print(f"  = {us / 1e3 / n:.2f} ms of GPU activity per step", flush=True)
+                self._prof = None
+            if self._prof is not None:
+                self._prof_tokens += scheduler_output.total_num_scheduled_tokens
         if not self.timing:
             return inner(scheduler_output)
         if self.cuda:
@@ -260,6 +275,8 @@ def run_tokenmill(args: argparse.Namespace, workload: Workload, warmups: list[Wo
     for warmup in warmups:
         tokenmill_generate(llm, recorder, warmup)
     warm_s = time.perf_counter() - t0
+    if args.profile_offline_steps:
+        recorder.profile_window = (1000, args.profile_offline_steps)
     result = tokenmill_generate(llm, recorder, workload, progress_every=500)
     result.update(startup_s=startup, warmup_s=warm_s, engine=facts)
     print(f"tokenmill: {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s = "
@@ -414,6 +431,9 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     prof = _start_profiler()
     t_first, first_stamps, _ = one("ttft-profiled", prompts[3][0], 1)
     first_kernel_us = _stop_profiler(prof, top=12) if prof is not None else None
+    if args.host_profile:
+        _host_profile(lambda i: one(f"ttft-host-{i}", make_workload(1, (args.tpot_input,) * 2, (1, 1), vocab,
+                                                                    args.seed + 100 + i)[0][0], 1))
     tpot = float(gaps.mean()) if len(gaps) else float("nan")
     report["tokenmill"] = {
         "prompt_tokens": args.tpot_input, "output_tokens": len(stamps), "requested_output_tokens": args.tpot_output,
@@ -426,6 +446,31 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
         "ttft_profiled_ms": (first_stamps[0] - t_first) * 1e3 if first_stamps else None,
         "ttft_gpu_kernel_ms": first_kernel_us / 1e3 if first_kernel_us else None, "engine": facts}
     free_llm(llm)
+
+
+def _host_profile(first_token: Any, fresh: int = 6) -> None:
+    """--host-profile: TTFT of `fresh` new prompts (median; `first_token(i)` runs prompt i to its first token and
+    returns (t0, stamps, _)), then one more under cProfile: where the host spends a prefill step (functions by
+    own time and by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    ttfts = sorted((stamps[0] - t0) * 1e3 for t0, stamps, _ in (first_token(i) for i in range(fresh)))
+    print(f"TTFT of {fresh} fresh prompts, ms: median {ttfts[len(ttfts) // 2]:.1f}, all "
+          + ", ".join(f"{t:.1f}" for t in ttfts), flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    t0, stamps, _ = first_token(fresh)
+    prof.disable()
+    print(f"under cProfile: TTFT {(stamps[0] - t0) * 1e3:.1f} ms", flush=True)
+    for key in ("tottime", "cumtime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(22)
+        lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+        start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
+        print(f"host functions by {key}:", flush=True)
+        print("\n".join(ln[:160] for ln in lines[start:]), flush=True)
 
 
 def _start_profiler() -> Any | None:
@@ -560,6 +605,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tpot-input", type=int, default=1024)
     ap.add_argument("--tpot-output", type=int, default=256)
     ap.add_argument("--profile-steps", type=int, default=16, help="tpot: decode steps under torch.profiler")
+    ap.add_argument("--profile-offline-steps", type=int, default=0,
+                    help="offline: profile this many steps from step 1000 (kernel table; those steps run slower)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="tpot: TTFT of 6 fresh prompts, then one prefill step under cProfile (host functions)")
     ap.add_argument("--warmup-prompts", type=int, default=64, help="offline/short: prompts per warm-up generate (two of them)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (float16 under --force-cc70)")
     ap.add_argument("--enforce-eager", action="store_true")
