@@ -203,12 +203,12 @@ def test_fused_moe_layer_passes_its_fp8_experts(monkeypatch):
 
 @pytest.mark.parametrize("enabled", [False, True])
 def test_fused_moe_layer_asks_w8a8_when_the_checkpoint_quantizes_activations(monkeypatch, enabled):
-    """With FP8_EXPERTS_W8A8 (off by default until measured on a GPU), dynamic and static checkpoints ask
+    """With FP8_EXPERTS_W8A8 (on by default since its H200 run), dynamic and static checkpoints ask
     `kernels.fused_experts_fp8` for W8A8 (the kernel then checks the device and dtype: `uses_w8a8`), weight-only
     ones do not; off, none does. Block scales go as per-row (1, Bk) blocks."""
     from tokenmill import kernels
 
-    assert moe_mod.FP8_EXPERTS_W8A8 is False  # the default
+    assert moe_mod.FP8_EXPERTS_W8A8 is True  # the default
     monkeypatch.setattr(moe_mod, "FP8_EXPERTS_W8A8", enabled)
     calls = []
     monkeypatch.setattr(kernels, "fused_experts_fp8", lambda x, *a, **kw: calls.append(kw) or x)

@@ -22,9 +22,10 @@ e4m3 bytes on the GPU and run through `kernels.fp8_linear` (kernels/triton/fp8_g
 - cc 8.0 - 8.8 (Ampere) and cc 7.x (V100, T4: no FP8 arithmetic): weight-only at every checkpoint's scheme (a
   W8A8 checkpoint's activations stay 16-bit): the Triton GEMM decodes the e4m3 bits to float16 with integer
   ops; cc 7.x multiplies small batches with float32 FMAs and larger ones through dequantize + cuBLAS.
-- MoE experts (kernels/triton/fused_moe_fp8.py): the Triton FP8 grouped GEMM decoding the routed experts' e4m3
-  bytes in the kernel (weight-only). Its W8A8 mode (fp8 dots; the MoE input per token or per 1 x 128 group, the
-  activated rows again) is off (`layers.fused_moe.layer.FP8_EXPERTS_W8A8`) until measured on a GPU.
+- MoE experts (kernels/triton/fused_moe_fp8.py): on cc >= 8.9 with 16-bit activations and a checkpoint that
+  quantizes activations, the W8A8 Triton grouped GEMM (fp8 dots; the MoE input per token or per 1 x 128 group,
+  the activated rows again); otherwise the grouped GEMM decoding the routed experts' e4m3 bytes in the kernel
+  (weight-only).
 - CPU: dequantized into the weight dtype at load.
 """
 

@@ -25,12 +25,12 @@ after loading (`dequantize`).
 FP8 experts: `quantize(Fp8Scheme)` makes `w13_weight` / `w2_weight` float8_e4m3fn
 with per-row `w13_weight_scale` / `w2_weight_scale` (`layers/fp8_params.py`;
 block scales as [E, N, ceil(K / Bk)], one row of K blocks per output row).
-CUDA runs `kernels.fused_experts_fp8`: grouped GEMMs that decode the routed
-experts' e4m3 bytes in the kernel (weight-only); with FP8_EXPERTS_W8A8 (off
-until measured on a GPU), W8A8 grouped GEMMs (fp8 dots) when the checkpoint
-quantizes activations and the device has FP8 arithmetic (cc >= 8.9, 16-bit
-activations), the MoE input quantized per token (per 1 x Bk group with block
-scales) and the activated rows again before w2. A static
+CUDA runs `kernels.fused_experts_fp8`: W8A8 grouped GEMMs (fp8 dots) when the
+checkpoint quantizes activations and the device has FP8 arithmetic (cc >= 8.9,
+16-bit activations; FP8_EXPERTS_W8A8), the MoE input quantized per token (per
+1 x Bk group with block scales) and the activated rows again before w2;
+otherwise grouped GEMMs that decode the routed experts' e4m3 bytes in the
+kernel (weight-only). A static
 checkpoint's expert input_scales are checked at load and not kept: its experts
 quantize dynamically, per token. The CPU dequantizes them once, after loading.
 """
@@ -82,10 +82,11 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 logger = logging.getLogger(__name__)
 # FP8 experts of checkpoints that quantize activations run the W8A8 mode of `kernels.fused_experts_fp8` (fp8
-# dots) only when this is True. Off until an H200 run has checked and timed it (built in session 9 after the
-# session's GPU time was spent: `pytest -m gpu tests/kernels/test_fused_moe_fp8.py`, `python
-# benchmarks/gpu/fp8_moe.py --sweep`); meanwhile they run weight-only, the path the H200 tests passed.
-FP8_EXPERTS_W8A8 = False
+# dots) when this is True (else weight-only). On since its H200 run (session 10, 6abbddc: the W8A8 GPU tests of
+# tests/kernels/test_fused_moe_fp8.py passed; `python benchmarks/gpu/fp8_moe.py`, Qwen3-30B-A3B experts, block
+# scales, ms per layer W8A8 / weight-only / bf16: 1 token 0.046 / 0.069 / 0.051, 16: 0.142 / 0.304 / 0.209, 256:
+# 0.235 / 0.942 / 0.334, 2048: 0.819 / 1.589 / 0.557; benchmarks/gpu/results/session10/visit1/fp8moek.log).
+FP8_EXPERTS_W8A8 = True
 # One warning per process about FP8 experts (every FusedMoE layer of a model gets the same scheme).
 _FP8_EXPERTS_LOGGED = False
 
@@ -190,8 +191,7 @@ class FusedMoE(nn.Module):
         if scheme.activations is not None and not FP8_EXPERTS_W8A8 and not _FP8_EXPERTS_LOGGED:
             _FP8_EXPERTS_LOGGED = True
             logger.warning("FP8 experts run weight-only (16-bit activations): the checkpoint's %s activation "
-                           "quantization applies to the linear layers (the experts' W8A8 mode is not yet measured "
-                           "on a GPU)", scheme.activations)
+                           "quantization applies to the linear layers (FP8_EXPERTS_W8A8 is off)", scheme.activations)
         elif scheme.activations == "static" and not _FP8_EXPERTS_LOGGED:
             _FP8_EXPERTS_LOGGED = True
             logger.warning("FP8 experts quantize their activations dynamically, per token: the checkpoint's static "
