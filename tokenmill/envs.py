@@ -172,6 +172,13 @@ def force_cc70() -> bool:
     return get_bool("TOKENMILL_FORCE_CC70", False)
 
 
+def mixed_cuda_graphs() -> bool:
+    """TOKENMILL_MIXED_CUDA_GRAPHS: besides decode-only steps, also replay CUDA graphs for steps with prefill
+    tokens (any mix of requests, up to `worker.cuda_graph.MIXED_MAX_TOKENS` tokens, padded to a captured
+    size); default on. Off: such steps run eagerly (their host time, ~1 ms a layer, then shows in TTFT)."""
+    return get_bool("TOKENMILL_MIXED_CUDA_GRAPHS", True)
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET: Triton runs kernels in its NumPy interpreter on the CPU (set by the tests);
     the kernels then skip libdevice. Default off."""

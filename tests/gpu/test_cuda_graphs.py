@@ -1,9 +1,10 @@
-"""Decode under CUDA graphs (GPU only): same tokens as eager, graphs really replayed, no hidden host sync.
+"""Steps under CUDA graphs (GPU only): same tokens as eager, graphs really replayed, no hidden host sync.
 
 A small random Llama (dummy weights, float32 so graph-vs-eager rounding
 cannot reach a token), token-id prompts of mixed lengths and output
 lengths, so the decode batch shrinks through sizes that are not capture
-sizes (padding rows in use).
+sizes (padding rows in use), and prefill steps (alone, or chunked beside
+decodes under a small token budget) replay the mixed-step graphs.
 """
 
 from __future__ import annotations
@@ -59,21 +60,29 @@ def _workload(n: int = 21):
     return prompts, params
 
 
-def test_graphs_replayed_and_match_eager(model_dir):
+@pytest.mark.parametrize("budget", [None, 48])
+def test_graphs_replayed_and_match_eager(model_dir, budget):
+    """budget 48: prompts of up to 69 tokens are chunked, their chunks scheduled beside running decodes."""
+    from tokenmill.worker.cuda_graph import mixed_capture_sizes
+
     prompts, params = _workload()
-    eager = _llm(model_dir, enforce_eager=True)
+    kw = {} if budget is None else {"max_num_batched_tokens": budget, "enable_chunked_prefill": True}
+    eager = _llm(model_dir, enforce_eager=True, **kw)
     assert _runner(eager).cuda_graphs is None
     ref = eager.generate(prompts, params, use_tqdm=False)
     eager.llm_engine.shutdown()
     del eager
     torch.cuda.empty_cache()
 
-    graphs = _llm(model_dir)
+    graphs = _llm(model_dir, **kw)
     runner = _runner(graphs)
     assert runner.cuda_graphs is not None and runner.cuda_graphs.sizes == [1, 2, 4, 8, 16, 32, 40]
+    assert runner.cuda_graphs.mixed_sizes == (mixed_capture_sizes(runner.max_num_tokens) if budget is None
+                                              else [16, 32, 48])
     out = graphs.generate(prompts, params, use_tqdm=False)
     # 21 requests of 4..64 tokens: decode batches of 21 down to 1, most of them padded.
     assert runner.cuda_graphs.num_replays >= 50
+    assert runner.cuda_graphs.num_mixed_replays >= (1 if budget is None else 20)
     compared = 0
     for r, o in zip(ref, out):
         a, b = r.outputs[0].token_ids, o.outputs[0].token_ids

@@ -164,6 +164,30 @@ def test_rejects_bad_head_ratio():
         _run(batch, scale=1.0)
 
 
+def test_mixed_cuda_graph_metadata_gives_the_same_rows():
+    """The kernel under a mixed CUDA graph's metadata (worker/cuda_graph.py: R requests, the extra ones empty,
+    the tokens past the live ones the kernel's padding request, stale block-table rows) gives the live rows
+    exactly what the step's own metadata gives, and zeros for the padding rows; unused cache slots hold NaN, so
+    a read of one would show."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([0, 5, 20, 33], [7, 1, 3, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32, generator=gen)
+    t, r, size = 12, 7, 16
+    kw = {"scale": 0.25}
+    ref = paged_attention(batch.query[:t], batch.kv_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                          num_reqs=4, max_query_len=7, **kw)
+    query = torch.cat([batch.query[:t], torch.randn(size - t, 4, 16, generator=gen)])
+    num_blocks = batch.kv_cache.shape[1]
+    stale = torch.randint(0, num_blocks, (r - 4, batch.block_table.shape[1]), generator=gen, dtype=torch.int32)
+    table = torch.cat([batch.block_table, stale])
+    qsl = torch.cat([batch.query_start_loc, torch.full((r - 4,), t, dtype=torch.int32)])
+    seq_lens = torch.cat([batch.seq_lens, torch.zeros(r - 4, dtype=torch.int32)])
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, batch.kv_cache, table, seq_lens, qsl, num_reqs=r, max_query_len=size, out=out, **kw)
+    assert torch.equal(out[:t], ref)
+    assert torch.all(out[t:] == 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_long_decodes_split_kv(dtype):

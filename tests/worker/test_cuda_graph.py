@@ -1,13 +1,20 @@
 """CUDA-graph bookkeeping that runs anywhere: capture sizes, padding lookup, padding rows.
 
-The capture/replay itself needs a GPU: tests/gpu/test_cuda_graphs.py.
+The capture/replay itself needs a GPU: tests/gpu/test_cuda_graphs.py. The attention kernel under a mixed
+graph's metadata: tests/kernels/test_triton_paged_attention.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
+from tokenmill.worker.cuda_graph import (
+    MIXED_MAX_TOKENS,
+    CUDAGraphRunner,
+    capture_sizes,
+    mixed_capture_sizes,
+    padded_size,
+)
 
 
 def test_capture_sizes_follow_the_issue():
@@ -50,3 +57,49 @@ def test_pad_decode_inputs_makes_harmless_padding_rows():
     assert bufs["input_ids"][3:8].tolist() == [0] * 5 and bufs["positions"][3:8].tolist() == [0] * 5
     md = runner.metadata(8)
     assert (md.num_reqs, md.max_query_len, md.max_seq_len, md.slot_mapping.shape[0]) == (8, 1, 64, 8)
+
+
+def test_mixed_capture_sizes():
+    assert mixed_capture_sizes(16384)[-1] == MIXED_MAX_TOKENS == 2048  # capped
+    assert mixed_capture_sizes(300) == [16, 32, 64, 96, 128, 192, 256, 300]  # the token budget itself is captured
+    assert mixed_capture_sizes(8) == [8]
+    assert mixed_capture_sizes(16384, enabled=False) == []
+    sizes = mixed_capture_sizes(16384)
+    # A padded step computes at most 1.5x the tokens it has above 64, 1.25x above 256.
+    assert all(padded_size(sizes, n) <= max(64, n * 1.5) for n in range(1, 2049))
+    assert all(padded_size(sizes, n) <= n * 1.25 for n in range(257, 2049))
+    assert padded_size(sizes, 2049) is None  # eager above the cap
+
+
+def _mixed_runner(n_tok: int, n_req: int):
+    bufs = {
+        "input_ids": torch.arange(n_tok, dtype=torch.int64) + 100,
+        "positions": torch.arange(n_tok, dtype=torch.int64) + 7,
+        "slot_mapping": torch.arange(n_tok, dtype=torch.int64) + 50,
+        "query_start_loc": torch.arange(n_req + 1, dtype=torch.int32) * 3,
+        "seq_lens": torch.full((n_req,), 9, dtype=torch.int32),
+    }
+    runner = CUDAGraphRunner(lambda i, p: i, bufs, torch.zeros(n_req, 4, dtype=torch.int32), [], None,
+                             capture_sizes(n_req, n_tok), max_model_len=64, mixed_sizes=mixed_capture_sizes(n_tok))
+    return runner, bufs
+
+
+def test_pad_mixed_inputs_makes_empty_requests_and_padding_tokens():
+    runner, bufs = _mixed_runner(n_tok=64, n_req=6)
+    bufs["query_start_loc"][:4] = torch.tensor([0, 7, 8, 11], dtype=torch.int32)  # 3 requests, 11 tokens
+    before = {k: v.clone() for k, v in bufs.items()}
+    runner.pad_mixed_inputs(3, 11, 16)
+    for k in ("input_ids", "positions", "slot_mapping"):
+        assert torch.equal(bufs[k][:11], before[k][:11]) and torch.equal(bufs[k][16:], before[k][16:]), k
+    assert bufs["slot_mapping"][11:16].tolist() == [-1] * 5  # padding writes nothing to the KV cache
+    assert bufs["input_ids"][11:16].tolist() == [0] * 5 and bufs["positions"][11:16].tolist() == [0] * 5
+    # Requests [3, 6) are empty: they start and end where the live tokens end; nothing to attend to.
+    assert bufs["query_start_loc"].tolist() == [0, 7, 8, 11, 11, 11, 11]
+    assert bufs["seq_lens"].tolist() == [9, 9, 9, 0, 0, 0]
+    md = runner.metadata_mixed(16)
+    assert (md.num_reqs, md.max_query_len, md.num_actual_tokens) == (6, 16, 16)
+    assert md.query_start_loc.shape[0] == 7 and md.block_table.shape[0] == 6 and md.slot_mapping.shape[0] == 16
+    # A graph of fewer tokens than block-table rows is captured for one request per token.
+    small = _mixed_runner(n_tok=64, n_req=40)[0]
+    assert small.mixed_reqs(16) == 16 and small.mixed_reqs(64) == 40 and small.metadata_mixed(16).num_reqs == 16
+

@@ -1,4 +1,4 @@
-"""Decode steps under CUDA graphs: capture the model's forward at padded batch sizes, replay.
+"""Steps under CUDA graphs: capture the model's forward at padded sizes, replay.
 
 A decode-only step (every scheduled request adds one token) of `n` requests
 runs the graph captured for the smallest capture size `B >= n`. The graph
@@ -16,6 +16,23 @@ min(max_num_seqs, max_num_batched_tokens, 512), plus that cap itself.
 Launch parameters that the Triton attention kernel would otherwise take
 from the batch (the flash-decoding split count) are fixed at capture for
 `max_model_len`; any split count is correct for any context length.
+Mixed steps (prefill chunks, alone or beside decodes; TOKENMILL_MIXED_CUDA_GRAPHS,
+default on) of `t <= MIXED_MAX_TOKENS` tokens replay the graph captured for
+the smallest mixed size `S >= t` (`mixed_capture_sizes`). An eager forward
+costs the host about a millisecond a layer (module calls, kernel launches,
+cuBLAS's per-call setup: H200, Llama-3.1-8B, a 1024-token prefill took
+36.9 ms to its first token for 21.7 ms of GPU work), so below a few thousand
+tokens the GPU waits on the host. A mixed graph is captured with
+`num_reqs` = R, a bound on its requests, which is all the attention kernel
+takes from the host besides the token count, so one graph
+serves any mix: `pad_mixed_inputs` makes requests [n, R) empty (query
+length 0, seq_len 0: each owns one idle query block) and tokens [t, S) the
+kernel's virtual padding request (zero output, slot -1, nothing read or
+written in the KV cache). R is min(max_num_seqs, S) (a step of S tokens has
+at most S requests), so the idle programs, which only find their request
+and exit, stay few. Above MIXED_MAX_TOKENS the GPU time exceeds the host's and
+padding would only add work, so those steps stay eager.
+
 Only the TRITON_ATTN backend on CUDA, one pipeline stage, can be captured
 (TORCH_SDPA loops over requests on the host).
 """
@@ -35,6 +52,10 @@ from tokenmill.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
+# Mixed steps of more tokens than this run eagerly (module docstring).
+MIXED_MAX_TOKENS = 2048
+# Mixed-step capture sizes (tokens): a padded step computes at most 1/3 more tokens than it has above 64.
+_MIXED_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -47,6 +68,19 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     cap = min(max_num_seqs, max_num_batched_tokens, MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 16))
     if cap >= 1 and sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int, enabled: bool = True) -> list[int]:
+    """Token counts of the mixed-step graphs, ascending: `_MIXED_SIZES` up to cap = min(max_num_batched_tokens,
+    MIXED_MAX_TOKENS), plus cap itself; [] when not `enabled` (TOKENMILL_MIXED_CUDA_GRAPHS off).
+    max_num_batched_tokens 300 -> [16, 32, 64, 96, 128, 192, 256, 300]."""
+    if not enabled:
+        return []
+    cap = min(max_num_batched_tokens, MIXED_MAX_TOKENS)
+    sizes = [s for s in _MIXED_SIZES if s <= cap]
+    if cap >= 1 and (not sizes or sizes[-1] != cap):
         sizes.append(cap)
     return sizes
 
@@ -69,10 +103,11 @@ class CUDAGraphRunner:
             "query_start_loc" ([>= B + 1] int32), "seq_lens" ([>= B] int32).
         block_table: the persistent device block table [max_num_reqs, max_blocks] int32.
         kv_caches, attn_backend: what the forward context hands the attention layers.
-        sizes: capture sizes, ascending (see `capture_sizes`).
+        sizes: decode capture sizes, ascending (see `capture_sizes`).
         max_model_len: longest sequence (fixes the kernel's split count at capture).
         block_table_swa: with a sliding-window KV group, its persistent device block table (and
             buffers["slot_mapping_swa"] its slots); None with one group.
+        mixed_sizes: token counts of the mixed-step graphs, ascending (`mixed_capture_sizes`; [] = none).
     """
 
     def __init__(
@@ -85,6 +120,7 @@ class CUDAGraphRunner:
         sizes: list[int],
         max_model_len: int,
         block_table_swa: torch.Tensor | None = None,
+        mixed_sizes: list[int] | None = None,
     ) -> None:
         self.forward = forward
         self.buf = buffers
@@ -96,7 +132,12 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.mixed_sizes = list(mixed_sizes or [])
+        self.max_reqs = block_table.shape[0]  # block-table rows (max_num_seqs)
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_mixed_replays = 0
         device = buffers["input_ids"].device
         # 1..max_size+1 as int32, to write padding requests' query_start_loc without a host copy.
         self._arange = torch.arange(sizes[-1] + 2, dtype=torch.int32, device=device)
@@ -123,6 +164,42 @@ class CUDAGraphRunner:
         return replace(self.metadata(size), block_table=self.block_table_swa[:size],
                        slot_mapping=self.buf["slot_mapping_swa"][:size])
 
+    def mixed_reqs(self, size: int) -> int:
+        """R of the mixed graph of `size` tokens: the requests it is captured for (a step has at most one per
+        token, and at most the block table's rows)."""
+        return min(self.max_reqs, size)
+
+    def metadata_mixed(self, size: int) -> AttentionMetadata:
+        """The metadata a mixed graph of `size` tokens is captured with: R requests (module docstring),
+        max_query_len = size (> 4: the kernel's prefill tiles, no KV splits)."""
+        r = self.mixed_reqs(size)
+        return replace(self.metadata(size), num_reqs=r, max_query_len=max(size, 5),
+                       query_start_loc=self.buf["query_start_loc"][: r + 1], seq_lens=self.buf["seq_lens"][:r],
+                       block_table=self.block_table[:r])
+
+    def metadata_mixed_swa(self, size: int) -> AttentionMetadata | None:
+        """The sliding-window group's metadata of a mixed graph of `size` tokens (None with one group)."""
+        if self.block_table_swa is None:
+            return None
+        return replace(self.metadata_mixed(size), block_table=self.block_table_swa[: self.mixed_reqs(size)],
+                       slot_mapping=self.buf["slot_mapping_swa"][:size])
+
+    def pad_mixed_inputs(self, num_reqs: int, num_tokens: int, size: int) -> None:
+        """For the mixed graph of `size` tokens, make requests [num_reqs, R) empty (query_start_loc num_tokens, seq_len 0) and tokens
+        [num_tokens, size) padding (id 0, position 0, slot -1): the kernel's virtual padding request.
+
+        Device-side writes on the current stream after the step's own copies; no host sync.
+        """
+        r = self.mixed_reqs(size)
+        self.buf["query_start_loc"][num_reqs + 1 : r + 1].fill_(num_tokens)
+        self.buf["seq_lens"][num_reqs:r].zero_()
+        if size > num_tokens:
+            self.buf["slot_mapping"][num_tokens:size].fill_(-1)
+            if self.block_table_swa is not None:
+                self.buf["slot_mapping_swa"][num_tokens:size].fill_(-1)
+            self.buf["input_ids"][num_tokens:size].zero_()
+            self.buf["positions"][num_tokens:size].zero_()
+
     def pad_decode_inputs(self, num_reqs: int, size: int) -> None:
         """Make rows [num_reqs, size) padding requests: one token each, seq_len 1, slot -1.
 
@@ -139,39 +216,49 @@ class CUDAGraphRunner:
         self.buf["input_ids"][num_reqs:size].zero_()
         self.buf["positions"][num_reqs:size].zero_()
 
+    def _capture_one(self, size: int, md: AttentionMetadata, md_swa: AttentionMetadata | None,
+                     pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run the forward of `size` tokens once eagerly (Triton compiles, cuBLAS picks its kernels), then
+        capture it into `pool`; the buffers must already describe padding only."""
+        ids, pos = self.buf["input_ids"][:size], self.buf["positions"][:size]
+        with set_forward_context(md, self.kv_caches, self.attn_backend, md_swa):
+            self.forward(ids, pos)  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(ids, pos)
+        return graph, out
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, sharing one memory pool.
-
-        Each size is run once eagerly first (Triton compiles, cuBLAS picks
-        its kernels) with every row a padding request, so nothing is written
-        to the KV cache.
-        """
+        """Capture one graph per size (the mixed sizes, then the decode sizes, each largest first), sharing
+        one memory pool. Every row is padding while capturing, so nothing is written to the KV cache."""
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         self.buf["query_start_loc"][:1].zero_()
+        for size in reversed(self.mixed_sizes):
+            self.pad_mixed_inputs(0, 0, size)
+            self.mixed_graphs[size], self.mixed_outputs[size] = self._capture_one(
+                size, self.metadata_mixed(size), self.metadata_mixed_swa(size), pool)
         for size in reversed(self.sizes):
             self.pad_decode_inputs(0, size)
-            md = self.metadata(size)
-            ids, pos = self.buf["input_ids"][:size], self.buf["positions"][:size]
-            with set_forward_context(md, self.kv_caches, self.attn_backend, self.metadata_swa(size)):
-                self.forward(ids, pos)  # warm-up
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.forward(ids, pos)
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            self.graphs[size], self.outputs[size] = self._capture_one(size, self.metadata(size),
+                                                                      self.metadata_swa(size), pool)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("Captured %d CUDA graphs for decode batches of %d..%d requests in %.1f s (%.2f GiB)",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**30)
+        mixed = (f" and {len(self.mixed_sizes)} for mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} "
+                 "tokens" if self.mixed_sizes else "")
+        logger.info("Captured %d CUDA graphs for decode batches of %d..%d requests%s in %.1f s (%.2f GiB)",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], mixed, time.perf_counter() - start,
+                    used / 2**30)
 
     def release(self) -> None:
         """Drop the graphs (their memory pool), outputs and references to the model and KV cache."""
         self.graphs.clear()
         self.outputs.clear()
+        self.mixed_graphs.clear()
+        self.mixed_outputs.clear()
         self.kv_caches = []
         self.forward = None  # type: ignore[assignment]
 
@@ -188,3 +275,18 @@ class CUDAGraphRunner:
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size][:num_reqs]
+
+    def replay_mixed(self, num_reqs: int, num_tokens: int) -> torch.Tensor | None:
+        """Run a step of `num_tokens` tokens from `num_reqs` requests, some of them prefill chunks (their rows
+        already in the buffers: query_start_loc [0, num_reqs], seq_lens, block table rows, tokens).
+
+        Returns hidden states [num_tokens, H] (a view of the graph's output, valid until the next replay), or
+        None when no mixed size fits (then the step runs eagerly).
+        """
+        size = padded_size(self.mixed_sizes, num_tokens)
+        if size is None or size not in self.mixed_graphs or num_reqs > self.mixed_reqs(size):
+            return None
+        self.pad_mixed_inputs(num_reqs, num_tokens, size)
+        self.mixed_graphs[size].replay()
+        self.num_mixed_replays += 1
+        return self.mixed_outputs[size][:num_tokens]

@@ -6,7 +6,8 @@ Step (`execute_model`):
     -> Sampler -> sampled ids appended to the batch -> ModelRunnerOutput.
 The only host<->device sync is one wait for the results' copy to pinned host
 memory at the end. On CUDA, decode-only steps replay CUDA graphs captured
-at padded batch sizes (tokenmill/worker/cuda_graph.py) unless
+at padded batch sizes, and steps with prefill tokens up to 2048 tokens
+replay mixed-step graphs (tokenmill/worker/cuda_graph.py), unless
 `--enforce-eager`.
 """
 
@@ -17,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.selector import get_attn_backend
 from tokenmill.config.configs import EngineConfig, kv_memory_hint
@@ -27,7 +29,7 @@ from tokenmill.dtypes import dtype_name, is_fp8, kv_cache_dtype, parse_dtype
 from tokenmill.platforms.memory import default_cpu_kv_cache_bytes
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask, grammar_rows
-from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes
+from tokenmill.worker.cuda_graph import CUDAGraphRunner, capture_sizes, mixed_capture_sizes
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import (
     KVCacheSpec,
@@ -170,7 +172,8 @@ class ModelRunner:
         non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
         graphs = 0
         if self._use_cuda_graphs():
-            largest = capture_sizes(self.max_num_reqs, self.max_num_tokens)[-1]
+            largest = max(capture_sizes(self.max_num_reqs, self.max_num_tokens)[-1],
+                          *mixed_capture_sizes(self.max_num_tokens, envs.mixed_cuda_graphs())[-1:])
             graphs = int((peak - weights) * min(1.0, largest / n))
         util = self.config.cache_config.gpu_memory_utilization
         budget = int(util * total - peak - non_torch - graphs)
@@ -201,6 +204,7 @@ class ModelRunner:
                 self._run_model, self.input_batch.device_buffers, self.input_batch.block_table.block_table,
                 self.kv_caches, self.attn_backend, capture_sizes(self.max_num_reqs, self.max_num_tokens),
                 self.graph_max_seq_len, block_table_swa=swa_table.block_table if swa_table is not None else None,
+                mixed_sizes=mixed_capture_sizes(self.max_num_tokens, envs.mixed_cuda_graphs()),
             )
             self.cuda_graphs.capture()
         # The engine core logs the one user-facing KV-cache line; this one is per worker.
@@ -267,8 +271,11 @@ class ModelRunner:
         md = inputs.attn_metadata
         hidden = None
         # A graph is captured for sequences up to graph_max_seq_len (--max-seq-len-to-capture); longer runs eagerly.
-        if self.cuda_graphs is not None and md.max_query_len == 1 and md.max_seq_len <= self.graph_max_seq_len:
-            hidden = self.cuda_graphs.replay(md.num_reqs)
+        if self.cuda_graphs is not None and md.max_seq_len <= self.graph_max_seq_len:
+            if md.max_query_len == 1:
+                hidden = self.cuda_graphs.replay(md.num_reqs)
+            else:
+                hidden = self.cuda_graphs.replay_mixed(md.num_reqs, md.num_actual_tokens)
         if hidden is None:
             with set_forward_context(md, self.kv_caches, self.attn_backend, inputs.attn_metadata_swa):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
