@@ -197,7 +197,8 @@ FLAGS: tuple[FlagInfo, ...] = (
     _ign("--compilation-config", "tokenmill does not use torch.compile; CUDA graphs follow --enforce-eager and "
          "--max-seq-len-to-capture.", ("--compilation-config", '{"level": 3}')),
     _ign("--cuda-graph-sizes", "decode batch sizes captured are 1, 2, 4, 8 and multiples of 16 up to "
-         "min(--max-num-seqs, 512).", ("--cuda-graph-sizes", "8")),
+         "min(--max-num-seqs, 512); steps with prefill tokens, 16 to 2048 tokens in 19 sizes "
+         "(TOKENMILL_MIXED_CUDA_GRAPHS=0: eager).", ("--cuda-graph-sizes", "8")),
     _ign("--guided-decoding-backend", "structured output always uses xgrammar.", ("--guided-decoding-backend",
                                                                                    "outlines")),
     _ign("--structured-outputs-config", "structured output always uses xgrammar.",

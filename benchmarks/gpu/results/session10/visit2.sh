@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 10, visit 2 (H200). bash visit2.sh a|b [budget_s]. Steps as visit1.sh (limit each; skipped when the
+# budget left is below the limit).
+# a: GPU tests of mixed-step CUDA graphs, the FP8 GEMV and the last quantized test; the FP8 MoE greedy test
+#    under TOKENMILL_FORCE_CC70=1 (weight-only, no activation quantization: does the W8A8 noise explain its
+#    divergence?); the FP8 GEMV timing; TTFT with and without mixed graphs (+ cProfile of a prefill step).
+# b: offline Llama-3.1-8B bf16 with mixed graphs on (kernel table of steps 1000..1007) and off; FP8 TPOT (GEMV);
+#    gpt-oss-20b offline; Qwen3-30B-A3B FP8 offline.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
+unset TRITON_INTERPRET TOKENMILL_FORCE_CC70 TOKENMILL_MIXED_CUDA_GRAPHS
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
+C=${GIT_COMMIT:-unknown}
+BUDGET=${2:-580}; T0=$(date +%s)
+PT="python -m pytest -q -p no:cacheprovider -rfE --durations=5"
+OB="python benchmarks/gpu/offline_bench.py --git-commit $C"
+L=benchmarks/configs
+step() { local name=$1 lim=$2; shift 2; local left=$(( BUDGET - ($(date +%s) - T0) ))
+  if (( left < lim )); then echo "=== $name SKIPPED (limit ${lim}s, ${left}s left)"; return; fi
+  local t0=$(date +%s); timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n ${TAILN:-6} "$OUT/$name.log"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [[ ${1:-a} == a ]]; then
+  TAILN=12 step gputests 200 $PT -m gpu tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_llama_parity.py \
+    "tests/gpu/test_quantized_gpu.py::test_engine_on_gpu_matches_the_cpu" tests/kernels/test_fp8_gemm.py
+  TAILN=6 step fp8moe-cc70 60 env TOKENMILL_FORCE_CC70=1 $PT tests/gpu/test_fp8_gpu.py::test_fp8_moe_checkpoint_on_cuda
+  TAILN=40 step fp8gemv 80 python benchmarks/gpu/fp8_gemm.py --sweep-gemv
+  TAILN=4 step ttft-graphs 60 $OB --part tpot --host-profile --json-out $OUT/ttft-graphs.json
+  grep -E "^TTFT of|under cProfile" "$OUT/ttft-graphs.log"
+  TAILN=4 step ttft-eager 60 env TOKENMILL_MIXED_CUDA_GRAPHS=0 $OB --part tpot --host-profile --json-out $OUT/ttft-eager.json
+  grep -E "^TTFT of|under cProfile" "$OUT/ttft-eager.log"
+else
+  TAILN=30 step offline-graphs 110 $OB --part offline --hf-prompts 0 --profile-offline-steps 8 --json-out $OUT/offline-graphs.json
+  TAILN=4 step offline-eager 110 env TOKENMILL_MIXED_CUDA_GRAPHS=0 $OB --part offline --hf-prompts 0 --json-out $OUT/offline-eager.json
+  TAILN=4 step qtpot-fp8 60 $OB --part tpot --config $L/llama-3.1-8b-fp8.json --json-out $OUT/qtpot-fp8.json
+  TAILN=4 step oss20-offline 120 $OB --part offline --hf-prompts 0 --config $L/gpt-oss-20b.json --json-out $OUT/oss20-offline.json
+  TAILN=4 step qmoe-fp8 200 $OB --part offline --hf-prompts 0 --config $L/qwen3-30b-a3b-fp8.json --json-out $OUT/qmoe-fp8.json
+fi
