@@ -202,6 +202,8 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "device": args.device,
         "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
         "kv_cache_dtype": args.kv_cache_dtype}
+    if args.disable_hybrid_kv_cache_manager:
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     for name in ("max_num_batched_tokens", "kv_cache_memory_bytes", "quantization"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -623,6 +625,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory-bytes", default=None, help="explicit KV size, e.g. 64M (CPU smoke runs)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                    help="one KV group: full-length KV on sliding-window layers too (gpt-oss: capacity without the "
+                         "window saving)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--git-commit", default=None, help="recorded commit when the copy has no .git (default: git)")

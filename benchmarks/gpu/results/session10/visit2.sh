@@ -5,7 +5,8 @@
 #    under TOKENMILL_FORCE_CC70=1 (weight-only, no activation quantization: does the W8A8 noise explain its
 #    divergence?); the FP8 GEMV timing; TTFT with and without mixed graphs (+ cProfile of a prefill step).
 # b: offline Llama-3.1-8B bf16 with mixed graphs on (kernel table of steps 1000..1007) and off; FP8 TPOT (GEMV);
-#    gpt-oss-20b offline; Qwen3-30B-A3B FP8 offline.
+#    gpt-oss-20b offline; gpt-oss-120b TPOT; gpt-oss-20b KV without the window saving and TPOT on the cc-7.0
+#    path; Qwen3-30B-A3B FP8 offline.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
@@ -38,5 +39,10 @@ else
   TAILN=4 step offline-eager 110 env TOKENMILL_MIXED_CUDA_GRAPHS=0 $OB --part offline --hf-prompts 0 --json-out $OUT/offline-eager.json
   TAILN=4 step qtpot-fp8 60 $OB --part tpot --config $L/llama-3.1-8b-fp8.json --json-out $OUT/qtpot-fp8.json
   TAILN=4 step oss20-offline 120 $OB --part offline --hf-prompts 0 --config $L/gpt-oss-20b.json --json-out $OUT/oss20-offline.json
+  TAILN=4 step oss120-tpot 100 $OB --part tpot --config $L/gpt-oss-120b.json --json-out $OUT/oss120-tpot.json
+  grep -E "KV cache:" "$OUT/oss120-tpot.log" | head -2
+  TAILN=4 step oss20-nowindow 60 $OB --part tpot --config $L/gpt-oss-20b.json --disable-hybrid-kv-cache-manager --tpot-output 32 --json-out $OUT/oss20-nowindow.json
+  grep -E "KV cache:" "$OUT/oss20-nowindow.log" | head -2
+  TAILN=4 step oss20-cc70 80 $OB --part tpot --config $L/gpt-oss-20b.json --force-cc70 --json-out $OUT/oss20-cc70.json
   TAILN=4 step qmoe-fp8 200 $OB --part offline --hf-prompts 0 --config $L/qwen3-30b-a3b-fp8.json --json-out $OUT/qmoe-fp8.json
 fi
