@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -447,6 +448,13 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
         "host_overhead_ms": tpot - kernel_ms if kernel_ms else None,
         "ttft_profiled_ms": (first_stamps[0] - t_first) * 1e3 if first_stamps else None,
         "ttft_gpu_kernel_ms": first_kernel_us / 1e3 if first_kernel_us else None, "engine": facts}
+    # Finite logits (the cc-7.0 float16 path's overflow guard): the chosen tokens' logprobs of a short greedy run.
+    check = llm.generate([{"prompt_token_ids": prompts[0][0]}],
+                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=1),
+                         use_tqdm=False)[0].outputs[0]
+    finite = all(math.isfinite(lp[t].logprob) for t, lp in zip(check.token_ids, check.logprobs, strict=True))
+    report["tokenmill"]["finite_logprobs"] = finite
+    print(f"logprobs of {len(check.token_ids)} greedy tokens all finite: {finite}", flush=True)
     free_llm(llm)
 
 
