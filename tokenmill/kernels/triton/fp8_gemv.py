@@ -247,6 +247,11 @@ def as_words(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.uint8).view(torch.int32)
 
 
+def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialized output buffers (tests replace it to check that every element gets written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None,
              bias: torch.Tensor | None, out_dtype: torch.dtype, block_m: int, block_n: int, block_k: int,
              split_k: int, num_warps: int, hw_cvt: bool) -> torch.Tensor:
@@ -271,14 +276,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_sca
     if not gemv_supported(weight, None) or weight.shape[1] != k:
         raise ValueError("The FP8 GEMV needs a [N, K] weight with K a multiple of 4 and rows of whole int32 words.")
     a_fp8 = x.dtype in (torch.float8_e4m3fn, torch.uint8)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = _new_output((m, n), out_dtype, x.device)
     if m == 0 or n == 0:
         return out
     block_kw = block_k // 4
     kw_total = k // 4
     per = triton.cdiv(triton.cdiv(kw_total, block_kw), split_k) * block_kw
     partial = split_k > 1
-    target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
+    target = _new_output((split_k, m, n), torch.float32, x.device) if partial else out
     xa = as_words(x) if a_fp8 else x
     ws = w_scale.float().reshape(-1)
     xs = x_scale.float().reshape(-1) if x_scale is not None else ws
