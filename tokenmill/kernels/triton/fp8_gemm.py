@@ -248,9 +248,9 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
     if 0 < m <= min(gemv, 4) and scale_block_k is None and k % 4 == 0:
         bm = triton.next_power_of_2(m)
         bn, kw, warps = FP8_GEMV_TILES[bm]
-        return Fp8GemmPlan("gemv", bm, bn, 4 * kw, _split_for(k, 4 * kw, triton.cdiv(n, bn), split_k,
-                                                              max(1, FP8_GEMV_WARPS_PER_SM // warps) * num_sms),
-                           False, warps, 1)
+        programs = max(1, FP8_GEMV_WARPS_PER_SM // warps) * num_sms
+        split = choose_split_k(k, 4 * kw, triton.cdiv(n, bn), split_k, programs)
+        return Fp8GemmPlan("gemv", bm, bn, 4 * kw, split, False, warps, 1)
     if not w8a8 and m > small and (m > large or cc70):
         return Fp8GemmPlan("cublas")
     use_dot, warps, stages = True, 4, 3
@@ -265,11 +265,11 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
         bn, bk = 128, _block_k_for(scale_block_k, 128 if w8a8 else 64)
         warps = 8 if bm == 128 else 4
     tiles = triton.cdiv(max(m, 1), bm) * triton.cdiv(max(n, 1), bn)
-    split_k = _split_for(k, bk, tiles, split_k, (4 if m <= small else 1) * num_sms)
+    split_k = choose_split_k(k, bk, tiles, split_k, (4 if m <= small else 1) * num_sms)
     return Fp8GemmPlan("triton", bm, bn, bk, split_k, use_dot, warps, stages)
 
 
-def _split_for(k: int, bk: int, tiles: int, split_k: int | None, programs: int) -> int:
+def choose_split_k(k: int, bk: int, tiles: int, split_k: int | None, programs: int) -> int:
     """K slices: `split_k` if given, else enough for `programs` programs over `tiles` output tiles while every
     slice keeps at least two K tiles of bk; clamped to the K tiles and evened out (no empty slice)."""
     k_tiles = max(1, triton.cdiv(k, bk))
