@@ -21,8 +21,8 @@ and `floor`, the time to read the FP8 weight once at 4.8 TB/s (H200 HBM3e peak: 
 torch + triton only; needs cc >= 8.9 for the W8A8 columns.
 
 --sweep-gemv prints one table instead: per (M, layer) bf16 F.linear, the split-K tl.dot GEMM and the GEMV with
-each of GEMV_CONFIGS (block_n, words per step, warps, warps per SM; the split of K follows the warps per SM as
-in `fp8_gemm.plan_fp8_gemm`), all W8A8 with per-token activation quantization (included) and per-channel
+each of GEMV_CONFIGS (block_n, words per step, warps, warps per SM, prefetch; the split of K follows the warps
+per SM as in `fp8_gemm.plan_fp8_gemm`), all W8A8 with per-token activation quantization (included) and per-channel
 weights, bfloat16 x; "-" where a config does not take M (the GEMV takes M <= 4). The `planned` column is
 FP8_GEMV_TILES / FP8_GEMV_WARPS_PER_SM.
 """
@@ -54,25 +54,26 @@ from quant_gemm import L2_BYTES, graph_time_ms  # noqa: E402  (benchmarks/gpu, t
 # Llama-3.1-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads of 128 -> (name, N, K)
 LAYERS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 HBM_BYTES_PER_S = 4.8e12
-# (block_n, words per step, warps, warps per SM) for --sweep-gemv; the first is the planner's M = 1 tile.
-GEMV_CONFIGS = [(64, 16, 1, 12), (32, 16, 1, 16), (64, 16, 1, 24), (64, 8, 1, 16), (64, 32, 1, 8),
-                (128, 16, 1, 8), (128, 16, 2, 12), (128, 8, 2, 16), (256, 16, 4, 16)]
+# (block_n, words per step, warps, warps per SM, prefetch) for --sweep-gemv; the first is the planner's M = 1 tile.
+GEMV_CONFIGS = [(64, 16, 1, 12, False), (64, 16, 1, 12, True), (32, 16, 1, 16, False), (64, 16, 1, 24, False),
+                (64, 8, 1, 16, False), (64, 32, 1, 8, False), (128, 16, 1, 8, False), (128, 16, 1, 8, True),
+                (128, 16, 2, 12, False), (128, 8, 2, 16, False), (256, 16, 4, 16, False)]
 
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # ms -> us
 
 
-def gemv_w8a8(x: torch.Tensor, w: fp8.Fp8Weight, config: tuple[int, int, int, int]) -> torch.Tensor:
+def gemv_w8a8(x: torch.Tensor, w: fp8.Fp8Weight, config: tuple[int, int, int, int, bool]) -> torch.Tensor:
     """W8A8 through the GEMV with one of GEMV_CONFIGS: per-token quantization, then the GEMV (+ split-K sum)."""
-    bn, kw, warps, per_sm = config
+    bn, kw, warps, per_sm, prefetch = config
     m, k = x.shape
     n = w.weight.shape[0]
     cap, sms = device_facts(x.device)
     split = fp8_gemm.choose_split_k(k, 4 * kw, triton.cdiv(n, bn), None, max(1, per_sm // warps) * sms)
     xq, xs = quantize_fp8_triton(x)
     return fp8_gemv(xq, w.weight, w.scale, xs, None, x.dtype, triton.next_power_of_2(m), bn, 4 * kw, split, warps,
-                    hw_cvt=cap >= (8, 9) and use_libdevice(x))
+                    hw_cvt=cap >= (8, 9) and use_libdevice(x), prefetch=prefetch)
 
 
 def time_calls(runs: dict, cols: list[str], copies: int, graphs: bool) -> dict[str, float]:
@@ -87,7 +88,7 @@ def sweep_gemv(ms: list[int], graphs: bool) -> None:
     configs = {f"c{i}": c for i, c in enumerate(GEMV_CONFIGS)}
     for name, c in configs.items():
         print(f"  {name}: block_n {c[0]}, {c[1]} words ({4 * c[1]} K columns) per step, {c[2]} warps, "
-              f"{c[3]} warps per SM")
+              f"{c[3]} warps per SM" + (", prefetch" if c[4] else ""))
     cols = ["bf16", "splitk", "planned", *configs]
     print(f"{'M':>5} {'layer':>8} {'floor':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (us)")
     totals: dict[tuple[int, str], float] = {}

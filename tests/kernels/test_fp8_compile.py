@@ -86,14 +86,16 @@ SCRIPT = textwrap.dedent(
         cx = dict(STATIC=False, LOOP=True, GROUPS=1, BLOCK_K=1024)
         results.append(build("quantize_token", quantize_fp8_kernel, cc,
                              dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), cx))
-    # The GEMV: (name, cc, x pointer, BLOCK_M, HW_CVT); W8A8 x is int32 words of e4m3 codes.
-    for name, cc, x, bm, hw in [("gemv_w8a16", 70, "*fp16", 1, False), ("gemv_w8a16", 80, "*bf16", 2, False),
-                                ("gemv_w8a8", 89, "*i32", 1, True), ("gemv_w8a8", 90, "*i32", 1, True),
-                                ("gemv_w8a8", 90, "*i32", 2, True), ("gemv_w8a16", 90, "*bf16", 1, True)]:
-        bn, kw, warps = FP8_GEMV_TILES[bm]
+    # The GEMV at its planned tiles: (name, cc, x pointer, BLOCK_M, HW_CVT, PREFETCH); W8A8 x is int32 words of
+    # e4m3 codes.
+    gemvs = [("gemv_w8a16", 70, "*fp16", 1, False, False), ("gemv_w8a16", 80, "*bf16", 2, False, False),
+             ("gemv_w8a8", 89, "*i32", 1, True, False), ("gemv_w8a8", 90, "*i32", 1, True, False),
+             ("gemv_w8a8", 90, "*i32", 2, True, False), ("gemv_w8a16", 90, "*bf16", 1, True, True)]
+    for name, cc, x, bm, hw, pf in gemvs:
+        bn, kw, warps, _ = FP8_GEMV_TILES[bm]
         cx = dict(A_FP8=x == "*i32", A_SCALE=2 if x == "*i32" else 0, B_SCALE=2, EVEN_K=True, HAS_BIAS=False,
                   PARTIAL=True, CLAMP_FP16=False, ROUND=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=kw, HW_CVT=hw,
-                  stride_xk=1, stride_wk=1, stride_xs=1, stride_ws=1, stride_on=1)
+                  PREFETCH=pf, stride_xk=1, stride_wk=1, stride_xs=1, stride_ws=1, stride_on=1)
         r = compile_with_ptxas(name, fp8_gemv_kernel, cc, dict(x_ptr=x, w_ptr="*i32", x_scale_ptr="*fp32",
                                w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32"), cx, warps, 1, "e4m3",
                                ("x_ptr", "w_ptr", "out_ptr", "N", "kw_total", "words_per_split", "stride_xm",

@@ -241,8 +241,8 @@ def nan_outputs(monkeypatch):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["token", "static", "weight_only"])
 @pytest.mark.parametrize("scheme", ["tensor", "channel"])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_gemv_matches_float64_reference(n, k, m, mode, scheme, split_k, nan_outputs):
+@pytest.mark.parametrize(("split_k", "prefetch"), [(1, False), (3, False), (1, True), (3, True)])
+def test_gemv_matches_float64_reference(n, k, m, mode, scheme, split_k, prefetch, nan_outputs):
     dtype = [torch.bfloat16, torch.float16, torch.float32, torch.bfloat16][m - 1]
     w = to(make_weight(n, k, scheme, seed=m + k), DEVICE)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(n + m)) * 2).to(dtype).to(DEVICE)
@@ -252,7 +252,8 @@ def test_gemv_matches_float64_reference(n, k, m, mode, scheme, split_k, nan_outp
     else:
         xa, xs = quantize_fp8_triton(x, scale=torch.tensor(0.01, device=DEVICE) if mode == "static" else None)
     block_m = 4 if m > 2 else m
-    y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, bias, dtype, block_m, 64, 64, split_k, 1, hw_cvt=False)
+    y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, bias, dtype, block_m, 64, 64, split_k, 1, hw_cvt=False,
+                          prefetch=prefetch)
     ref, p = gemv_reference(xa.cpu(), to(w, "cpu"), None if xs is None else xs.cpu(),
                             None if bias is None else bias.cpu())
     if mode == "static":
@@ -281,7 +282,7 @@ def test_gemv_planning_and_support():
     for m in (1, 2):
         p = plan(m, 4096, 4096, True, (9, 0), 132)
         assert p.path == "gemv" and p.block_m == m and p.split_k > 1 and p.block_k % 4 == 0
-        assert (p.block_n, p.block_k // 4, p.num_warps) == fp8_gemm.FP8_GEMV_TILES[m]
+        assert (p.block_n, p.block_k // 4, p.num_warps, p.prefetch) == fp8_gemm.FP8_GEMV_TILES[m]
     assert plan(1, 28672, 4096, True, (9, 0), 132).split_k < plan(1, 4096, 4096, True, (9, 0), 132).split_k
     assert plan(1, 4096, 4096, False, (7, 0), 80).path == "gemv"  # every capability (integer decoding)
     assert plan(3, 4096, 4096, True, (9, 0), 132).path == "triton"  # above FP8_GEMV_M_MAX
@@ -344,6 +345,30 @@ def test_gpu_real_sizes(m, n, k):
         assert_gemm_close(y, x, w, None, False, e)
         y = fp8_gemm.fp8_linear_triton(x.half(), w, quantize_activations=False, capability=(7, 0))
         assert_gemm_close(y, x.half(), w, None, False, 2.0 ** -11 if m > fp8_gemm.SMALL_M_MAX_CC70 else 2.0 ** -12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k", "scheme"), [(6144, 4096, "channel"), (4096, 4096, "tensor"),
+                                                (28672, 4096, "channel"), (4096, 14336, "channel")])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_gpu_gemv_llama_shapes(n, k, scheme, m, nan_outputs):
+    """The GEMV at Llama-3.1-8B's linear shapes with the planned tiles (FP8_GEMV_TILES, also for M = 4) against
+    the float64 reference of its math: W8A8 per-token and static x, W8A16 bfloat16 x; the PTX conversion
+    (cc >= 8.9) and the integer decoding, with and without the prefetch."""
+    torch.manual_seed(0)
+    w = to(make_weight(n, k, scheme), "cuda")
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    cap, sms = splitk.device_facts(x.device)
+    plan = fp8_gemm.plan_fp8_gemm(m, n, k, True, cap, sms, gemv_m_max=4)
+    assert plan.path == "gemv"
+    inputs = [quantize_fp8_triton(x), quantize_fp8_triton(x, scale=torch.tensor(0.02, device="cuda")), (x, None)]
+    for xa, xs in inputs:
+        ref, p = gemv_reference(xa, w, xs, None)
+        for hw in (True, False) if cap >= (8, 9) else (False,):
+            for prefetch in (plan.prefetch, not plan.prefetch):
+                y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, None, torch.bfloat16, plan.block_m, plan.block_n,
+                                      plan.block_k, plan.split_k, plan.num_warps, hw, prefetch)
+                assert_gemv_close(y, ref, p, k)
 
 
 @pytest.mark.gpu

@@ -69,7 +69,7 @@ SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS a
 # warps per SM, so 132 x 12 x 4 KB of weight loads are in flight (more than HBM's ~5 MB bandwidth-delay
 # product); K is split until then (at least two steps per slice).
 FP8_GEMV_M_MAX = 2
-FP8_GEMV_TILES = {1: (64, 16, 1), 2: (128, 16, 2), 4: (64, 16, 2)}
+FP8_GEMV_TILES = {1: (64, 16, 1, False), 2: (128, 16, 2, False), 4: (64, 16, 2, False)}
 FP8_GEMV_WARPS_PER_SM = 12
 
 # Scale modes of the GEMM kernel (A = activations, B = weight).
@@ -196,7 +196,8 @@ def fp8_dequantize_kernel(b_ptr, scale_ptr, out_ptr, N, K, scale_block_n, scale_
 class Fp8GemmPlan:
     """How one FP8 GEMM runs: `path` "scaled_mm" | "triton" | "gemv" | "cublas", and the Triton launch settings.
 
-    "gemv" (`fp8_gemv.fp8_gemv`): block_m is BLOCK_M (1, 2 or 4), block_k the K columns per step (4 per word).
+    "gemv" (`fp8_gemv.fp8_gemv`): block_m is BLOCK_M (1, 2 or 4), block_k the K columns per step (4 per word),
+    prefetch its PREFETCH.
     """
 
     path: str
@@ -207,6 +208,7 @@ class Fp8GemmPlan:
     use_dot: bool = True
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False
 
 
 def _block_k_for(scale_block_k: int | None, preferred: int) -> int:
@@ -247,10 +249,10 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
     gemv = FP8_GEMV_M_MAX if gemv_m_max is None else gemv_m_max
     if 0 < m <= min(gemv, 4) and scale_block_k is None and k % 4 == 0:
         bm = triton.next_power_of_2(m)
-        bn, kw, warps = FP8_GEMV_TILES[bm]
+        bn, kw, warps, prefetch = FP8_GEMV_TILES[bm]
         programs = max(1, FP8_GEMV_WARPS_PER_SM // warps) * num_sms
         split = choose_split_k(k, 4 * kw, triton.cdiv(n, bn), split_k, programs)
-        return Fp8GemmPlan("gemv", bm, bn, 4 * kw, split, False, warps, 1)
+        return Fp8GemmPlan("gemv", bm, bn, 4 * kw, split, False, warps, 1, prefetch)
     if not w8a8 and m > small and (m > large or cc70):
         return Fp8GemmPlan("cublas")
     use_dot, warps, stages = True, 4, 3
@@ -441,7 +443,7 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
                              gemv)
         if plan.path == "gemv":
             return fp8_gemv(xq, w.weight, w.scale, xs, bias, x.dtype, plan.block_m, plan.block_n, plan.block_k,
-                            plan.split_k, plan.num_warps, hw_cvt)
+                            plan.split_k, plan.num_warps, hw_cvt, plan.prefetch)
         return _launch(xq, w.weight, xs, a_mode, w.scale.float(), _B_MODE[scheme], block or (1, k), bias, x.dtype, plan)
     plan = plan_fp8_gemm(m, n, k, False, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k,
                          gemv)
@@ -449,6 +451,6 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
         return _cublas_linear(x, dequantize_fp8_triton(w, x.dtype), bias)
     if plan.path == "gemv":
         return fp8_gemv(x, w.weight, w.scale, None, bias, x.dtype, plan.block_m, plan.block_n, plan.block_k,
-                        plan.split_k, plan.num_warps, hw_cvt)
+                        plan.split_k, plan.num_warps, hw_cvt, plan.prefetch)
     return _launch(x, fp8_bits(w.weight), None, A_NONE, w.scale.float(), _B_MODE[scheme], block or (1, k), bias,
                    x.dtype, plan)

@@ -113,6 +113,16 @@ def _x_columns(x_ptr, row, offs_w, mask, stride_xm, stride_xk, A_FP8: tl.constex
 
 
 @triton.jit
+def _load_words(w_rows_ptr, w0, w_end, stride_wk, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_KW] weight words w0 .. w0 + BLOCK_KW - 1 of the rows at w_rows_ptr [BLOCK_N, 1]; words
+    at or past w_end read as zero (unless EVEN_K, where none is)."""
+    offs_w = w0 + tl.arange(0, BLOCK_KW)
+    if EVEN_K:
+        return tl.load(w_rows_ptr + offs_w[None, :] * stride_wk)
+    return tl.load(w_rows_ptr + offs_w[None, :] * stride_wk, mask=(offs_w < w_end)[None, :], other=0)
+
+
+@triton.jit
 def _fma_row(acc, v0, v1, v2, v3, x_ptr, row, offs_w, mask, stride_xm, stride_xk, A_FP8: tl.constexpr,
              HW_CVT: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_KW] + the products of the decoded weight words (v0..v3) with row `row` of x: one
@@ -172,6 +182,7 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr,  # words (4 K columns each) per row per step
     HW_CVT: tl.constexpr,  # PTX FP8 conversion (cc >= 8.9); False: integer decode (cc < 8.9, interpreter)
+    PREFETCH: tl.constexpr = False,  # load the next step's weight words before decoding this step's
 ):
     """out[m, n] (+)= scales * sum over the K slice of program_id(1) of x[m, k] W[n, k] (module docstring).
 
@@ -196,14 +207,20 @@ def fp8_gemv_kernel(
     acc1 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    w_rows_ptr = w_ptr + w_rows[:, None] * stride_wn
+    if PREFETCH:
+        words_next = _load_words(w_rows_ptr, w_start, w_end, stride_wk, BLOCK_KW, EVEN_K)
     for w0 in range(w_start, w_end, BLOCK_KW):
         offs_w = w0 + tl.arange(0, BLOCK_KW)
         w_mask = offs_w < w_end
-        if EVEN_K:
-            words = tl.load(w_ptr + w_rows[:, None] * stride_wn + offs_w[None, :] * stride_wk)
+        if PREFETCH:
+            # This step's words came one step ahead; load the next step's before using them (the last step
+            # re-reads its own words when EVEN_K: in bounds and cached, so no mask is needed).
+            words = words_next
+            ahead = tl.minimum(w0 + BLOCK_KW, w_end - BLOCK_KW) if EVEN_K else w0 + BLOCK_KW
+            words_next = _load_words(w_rows_ptr, ahead, w_end, stride_wk, BLOCK_KW, EVEN_K)
         else:
-            words = tl.load(w_ptr + w_rows[:, None] * stride_wn + offs_w[None, :] * stride_wk,
-                            mask=w_mask[None, :], other=0)
+            words = _load_words(w_rows_ptr, w0, w_end, stride_wk, BLOCK_KW, EVEN_K)
         v0, v1, v2, v3 = decode_e4m3_word(words, HW_CVT)
         acc0 = _fma_row(acc0, v0, v1, v2, v3, x_ptr, 0, offs_w, w_mask, stride_xm, stride_xk, A_FP8, HW_CVT, EVEN_K)
         if BLOCK_M > 1:
@@ -254,7 +271,7 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None,
              bias: torch.Tensor | None, out_dtype: torch.dtype, block_m: int, block_n: int, block_k: int,
-             split_k: int, num_warps: int, hw_cvt: bool) -> torch.Tensor:
+             split_k: int, num_warps: int, hw_cvt: bool, prefetch: bool = False) -> torch.Tensor:
     """y [M, N] = (x_scale * x) @ (w_scale * weight)^T (+ bias) through `fp8_gemv_kernel` (+ the split-K sum).
 
     Args:
@@ -265,6 +282,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_sca
         bias: [N] or None. out_dtype: float16 / bfloat16 / float32.
         block_m: 1, 2 or 4, at least M. block_k: K columns per step (a multiple of 4). split_k: K slices.
         hw_cvt: decode with the PTX FP8 conversion (CUDA cc >= 8.9, compiled; not in the interpreter).
+        prefetch: load each step's weight words one step ahead (the kernel's PREFETCH).
 
     Raises:
         ValueError: block_m is below M or not 1, 2 or 4, or the weight's layout does not fit (`gemv_supported`).
@@ -296,7 +314,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, x_sca
         target.stride(0) if partial else 0, target.stride(-2), target.stride(-1),
         A_FP8=a_fp8, A_SCALE=a_mode, B_SCALE=2 if ws.numel() > 1 else 1, EVEN_K=kw_total % block_kw == 0,
         HAS_BIAS=bias is not None, PARTIAL=partial, CLAMP_FP16=clamp, ROUND=round_code(out_dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, HW_CVT=hw_cvt, num_warps=num_warps, num_stages=1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, HW_CVT=hw_cvt, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=1,
     )
     if partial:
         block = 1024
