@@ -6,6 +6,8 @@ any GPU) and M:
 
 - W8A8, cc >= 8.9 (FP8 tensor cores). x is quantized per token (one launch,
   `fp8_quant.quantize_fp8_triton`; static per-tensor when the checkpoint gives `input_scale`), then
+  * M <= FP8_GEMV_M_MAX, per-tensor / per-channel weights (`fp8_gemv.gemv_supported`): the FMA GEMV
+    (`fp8_gemv.py`: e4m3 codes of x and W decoded exactly to float32, float32 FMAs, the scales once).
   * M <= SMALL_M_MAX (decode): the Triton split-K GEMM below with fp8 `tl.dot` (H200, in CUDA graphs with the
     weights from HBM, Llama-3.1-8B's four linears at M = 1..16: 103-106 us per layer against 149-152 for
     `_scaled_mm` and 128-139 for bf16 F.linear; benchmarks/gpu/results/session9/visit2/fp8k.log).
@@ -20,8 +22,8 @@ any GPU) and M:
     (the float32 promotion of every 128-deep partial product, DeepSeek-V3 report §3.3.2).
 - W8A16 (weight-only), any capability: the GEMM loads the weight's uint8 bits, decodes them to
   float16 with integer ops (`fp8_quant.e4m3_to_f16_div256`; no FP8 instruction, so it compiles for
-  sm_70) and multiplies in x's dtype; scales as above (the x256 of the decode folded in). Small M:
-  split-K over 16-row tiles (cc < 8.0: float32 multiply-and-sum instead of `tl.dot`, which has no
+  sm_70) and multiplies in x's dtype; scales as above (the x256 of the decode folded in). M <=
+  FP8_GEMV_M_MAX: the FMA GEMV as above (x itself, widened to float32). Small M: split-K over 16-row tiles (cc < 8.0: float32 multiply-and-sum instead of `tl.dot`, which has no
   tensor cores there; shared/PLATFORMS.md); medium M (cc >= 8.0): tiled; large M, and M above small
   on cc < 8.0: dequantize once (`dequantize_fp8_triton`) + cuBLAS.
 

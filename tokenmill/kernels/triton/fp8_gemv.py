@@ -27,11 +27,22 @@ weights stay on the tl.dot GEMM (`gemv_supported`).
 Grid: (cdiv(N, BLOCK_N), SPLIT_K); program (i, s) takes output rows i * BLOCK_N .. and the s-th slice of
 `words_per_split` words of K. SPLIT_K > 1 writes float32 partials [SPLIT_K, M, N] (scales applied, linear)
 for `splitk.splitk_reduce_kernel` (fixed order: deterministic, CUDA-graph safe); SPLIT_K = 1 finishes in the
-kernel (+ bias, float16 saturated at +-65504, rounded once to out's dtype, `numerics.round_to`). Partial sums
-stay per thread ([BLOCK_M, BLOCK_N, BLOCK_KW] float32) and are reduced across the tile once, after the K loop.
+kernel (+ bias, float16 saturated at +-65504, rounded once to out's dtype, `numerics.round_to`). Each row of x
+has its own [BLOCK_N, BLOCK_KW] float32 accumulator (BLOCK_M 1, 2 or 4 of them, written out, so every tensor
+keeps the weight tile's layout: no layout conversions), reduced across the tile once, after the K loop. Rows of
+W past N and of x past M read the last valid row instead of being masked (their sums are never stored), so the
+weight loads carry no masks when K divides into steps (EVEN_K). PREFETCH loads each step's words one step
+ahead (more bytes in flight per warp, at the cost of registers and register moves; off in the plan until a
+GPU sweep says otherwise: benchmarks/gpu/fp8_gemm.py --sweep-gemv).
 
-SASS, sm_90: see the module constants in fp8_gemm.py for the planned tiles; counted with cuobjdump on the K
-loop of the planned M = 1 W8A8 config (filled in below).
+SASS, sm_90: 2.87 instructions per value at M = 1 (W8A8, the planned BLOCK_N 64 x BLOCK_KW 16 words, one warp,
+EVEN_K, no prefetch; Triton 3.6, cuobjdump of the K loop: per weight value 1 FFMA, 1 HADD2.F32 (the widening),
+0.5 F2FP.F16.E4M3 (the pair conversion), and 0.37 for decoding x (amortized over a thread's 8 rows of W), the
+16-byte loads, their addresses and the loop). M = 2 (BLOCK_N 128, two warps): 4.07; weight-only bfloat16 x,
+M = 1: 3.00; 128-row tiles at M = 1: 2.76. Integer decoding (sm_80, M = 1): 4.76. The PTX conversion plus
+widening (1.5 per value) is the floor for exact float32 operands on sm_90: every float32 operand needs one
+instruction to produce its register, and an e4m3 code's sign and magnitude need different shifts to become
+one without it.
 """
 
 from __future__ import annotations
