@@ -55,9 +55,11 @@ from quant_gemm import L2_BYTES, graph_time_ms  # noqa: E402  (benchmarks/gpu, t
 LAYERS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 HBM_BYTES_PER_S = 4.8e12
 # (block_n, words per step, warps, warps per SM, prefetch) for --sweep-gemv; the first is the planner's M = 1 tile.
+# 0 warps per SM: no split of K (no split-K reduction launch; programs only from N).
 GEMV_CONFIGS = [(64, 16, 1, 12, False), (64, 16, 1, 12, True), (32, 16, 1, 16, False), (64, 16, 1, 24, False),
                 (64, 8, 1, 16, False), (64, 32, 1, 8, False), (128, 16, 1, 8, False), (128, 16, 1, 8, True),
-                (128, 16, 2, 12, False), (128, 8, 2, 16, False), (256, 16, 4, 16, False)]
+                (128, 16, 2, 12, False), (128, 8, 2, 16, False), (256, 16, 4, 16, False), (32, 16, 1, 0, True),
+                (64, 16, 1, 0, True)]
 
 
 def bench(fn) -> float:
@@ -70,7 +72,8 @@ def gemv_w8a8(x: torch.Tensor, w: fp8.Fp8Weight, config: tuple[int, int, int, in
     m, k = x.shape
     n = w.weight.shape[0]
     cap, sms = device_facts(x.device)
-    split = fp8_gemm.choose_split_k(k, 4 * kw, triton.cdiv(n, bn), None, max(1, per_sm // warps) * sms)
+    split = fp8_gemm.choose_split_k(k, 4 * kw, triton.cdiv(n, bn), 1 if per_sm == 0 else None,
+                                    max(1, per_sm // warps) * sms)
     xq, xs = quantize_fp8_triton(x)
     return fp8_gemv(xq, w.weight, w.scale, xs, None, x.dtype, triton.next_power_of_2(m), bn, 4 * kw, split, warps,
                     hw_cvt=cap >= (8, 9) and use_libdevice(x), prefetch=prefetch)
@@ -88,7 +91,7 @@ def sweep_gemv(ms: list[int], graphs: bool) -> None:
     configs = {f"c{i}": c for i, c in enumerate(GEMV_CONFIGS)}
     for name, c in configs.items():
         print(f"  {name}: block_n {c[0]}, {c[1]} words ({4 * c[1]} K columns) per step, {c[2]} warps, "
-              f"{c[3]} warps per SM" + (", prefetch" if c[4] else ""))
+              + (f"{c[3]} warps per SM" if c[3] else "no split of K") + (", prefetch" if c[4] else ""))
     cols = ["bf16", "splitk", "planned", *configs]
     print(f"{'M':>5} {'layer':>8} {'floor':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (us)")
     totals: dict[tuple[int, str], float] = {}

@@ -63,13 +63,14 @@ SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
 LARGE_M_MIN = 1024  # W8A16 above this: dequantize + cuBLAS
 SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS above
 # M <= FP8_GEMV_M_MAX (every capability; per-tensor / per-channel weights that `fp8_gemv.gemv_supported` takes):
-# the FMA GEMV (`fp8_gemv.py`). Tiles by M's power of two: (block_n, words per step, warps), chosen from the
-# sm_90 SASS of the K loop (fp8_gemv's docstring): M = 1 runs 2.9 instructions per weight byte, M = 2 4.1 (8 rows
+# the FMA GEMV (`fp8_gemv.py`). Tiles by M's power of two: (block_n, words per step, warps, prefetch), chosen
+# from the sm_90 SASS of the K loop (fp8_gemv's docstring): M = 1 runs 2.9 instructions per weight byte, M = 2 4.1 (8 rows
 # of W per thread, so decoding x costs little per weight), both well under the ~7 an H200 issues per byte read
 # at 4.8 TB/s (132 SMs x 4 warp instructions per clock x 32 lanes at 1.98 GHz); M = 4 needs 7.4 (the tile is
 # register-bound at 4 rows of W per thread) and stays on the tl.dot GEMM. Programs: ~FP8_GEMV_WARPS_PER_SM
 # warps per SM, so 132 x 12 x 4 KB of weight loads are in flight (more than HBM's ~5 MB bandwidth-delay
-# product); K is split until then (at least two steps per slice).
+# product); K is split until then (at least two steps per slice). Not yet timed on a GPU: `python
+# benchmarks/gpu/fp8_gemm.py --graphs --sweep-gemv` times these against other tiles, the split-K GEMM and bf16.
 FP8_GEMV_M_MAX = 2
 FP8_GEMV_TILES = {1: (64, 16, 1, False), 2: (128, 16, 2, False), 4: (64, 16, 2, False)}
 FP8_GEMV_WARPS_PER_SM = 12
