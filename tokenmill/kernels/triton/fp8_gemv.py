@@ -54,6 +54,7 @@ import triton.language as tl
 from tokenmill.kernels.triton.numerics import round_code, round_to
 from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
 
+
 @triton.jit
 def _f16_pair_to_f32(pairs):
     """(low, high) float16 halves of uint32 `pairs` widened to float32 (exact)."""
