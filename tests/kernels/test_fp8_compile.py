@@ -7,6 +7,8 @@ the weight-only GEMM (fp16 activations, uint8 weight bits decoded by integer ops
 kernel; its PTX must contain no FP8 conversion (`e4m3`). sm_89 / sm_90 get the W8A8 GEMM with fp8
 `tl.dot` (block scales, and per-token x per-channel), which must reach the tensor cores with e4m3
 operands (`mma.sync` on sm_89, `wgmma` on sm_90a for 128-row tiles), and the activation quantization kernel.
+The FMA GEMV (fp8_gemv.py) at its planned tiles: integer decoding on sm_70 / sm_80 (no FP8 instruction in its
+PTX), the PTX FP8 conversion on sm_89 / sm_90 (W8A8 and weight-only); ptxas -v must report no spills.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ SCRIPT = textwrap.dedent(
     from tokenmill.kernels.triton.fp8_gemm import fp8_matmul_kernel, fp8_dequantize_kernel
     from tokenmill.kernels.triton.splitk import splitk_reduce_kernel
     from tokenmill.kernels.triton.fp8_quant import quantize_fp8_kernel
+    from tokenmill.kernels.triton.fp8_gemm import FP8_GEMV_TILES
+    from tokenmill.kernels.triton.fp8_gemv import fp8_gemv_kernel
+    from compile_helpers import compile_with_ptxas
 
     def sig_of(kernel, pointers, constexprs):
         sig = {name: pointers.get(name, "i32") for name in kernel.arg_names}
@@ -81,6 +86,21 @@ SCRIPT = textwrap.dedent(
         cx = dict(STATIC=False, LOOP=True, GROUPS=1, BLOCK_K=1024)
         results.append(build("quantize_token", quantize_fp8_kernel, cc,
                              dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), cx))
+    # The GEMV at its planned tiles: (name, cc, x pointer, BLOCK_M, HW_CVT, PREFETCH); W8A8 x is int32 words of
+    # e4m3 codes.
+    gemvs = [("gemv_w8a16", 70, "*fp16", 1, False, False), ("gemv_w8a16", 80, "*bf16", 2, False, False),
+             ("gemv_w8a8", 89, "*i32", 1, True, False), ("gemv_w8a8", 90, "*i32", 1, True, False),
+             ("gemv_w8a8", 90, "*i32", 2, True, False), ("gemv_w8a16", 90, "*bf16", 1, True, True)]
+    for name, cc, x, bm, hw, pf in gemvs:
+        bn, kw, warps, _ = FP8_GEMV_TILES[bm]
+        cx = dict(A_FP8=x == "*i32", A_SCALE=2 if x == "*i32" else 0, B_SCALE=2, EVEN_K=True, HAS_BIAS=False,
+                  PARTIAL=True, CLAMP_FP16=False, ROUND=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=kw, HW_CVT=hw,
+                  PREFETCH=pf, stride_xk=1, stride_wk=1, stride_xs=1, stride_ws=1, stride_on=1)
+        r = compile_with_ptxas(name, fp8_gemv_kernel, cc, dict(x_ptr=x, w_ptr="*i32", x_scale_ptr="*fp32",
+                               w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32"), cx, warps, 1, "e4m3",
+                               ("x_ptr", "w_ptr", "out_ptr", "N", "kw_total", "words_per_split", "stride_xm",
+                                "stride_wn", "stride_os", "stride_om"))
+        results.append(dict(r, fp8_cvt=r.pop("ptx_has_marker"), hw=hw))
     print(json.dumps(results))
     """
 )
@@ -92,12 +112,14 @@ def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
     per_cc = ["w8a8_block", "w8a8_channel_splitk", "quantize_group128", "quantize_token"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("w8a16_fma_block", 70), ("w8a16_dot_channel", 70), ("splitk_reduce", 70), ("dequantize_block", 70),
-    ] + [(name, cc) for cc in (89, 90) for name in per_cc]
-    want_target = {70: "sm_70", 89: "sm_89", 90: "sm_90a"}
+    ] + [(name, cc) for cc in (89, 90) for name in per_cc] + [
+        ("gemv_w8a16", 70), ("gemv_w8a16", 80), ("gemv_w8a8", 89), ("gemv_w8a8", 90), ("gemv_w8a8", 90),
+        ("gemv_w8a16", 90)]
+    want_target = {70: "sm_70", 80: "sm_80", 89: "sm_89", 90: "sm_90a"}
     for r in results:
         assert r["ptx_target"] == [want_target[r["cc"]]], r
         assert r["cubin_bytes"] > 0, r
-        assert r["shared"] <= (96 if r["cc"] == 70 else 99 if r["cc"] == 89 else 227) * 1024, r
+        assert r["shared"] <= {70: 96, 80: 163, 89: 99, 90: 227}[r["cc"]] * 1024, r
         if r["cc"] == 70:
             assert not r["fp8_cvt"], r  # no FP8 instruction on the V100 path
         if r["kernel"].startswith("w8a8"):
@@ -105,3 +127,6 @@ def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
             assert r["stages_in_smem"] >= 2, r  # the K loop is software-pipelined (multi-buffered in shared memory)
         if r["kernel"].startswith("quantize"):
             assert not r["fp8_cvt"], r  # bit-op encoding, the same code the interpreter tests
+        if r["kernel"].startswith("gemv"):
+            assert r["fp8_cvt"] == r["hw"] == (r["cc"] >= 89), r  # PTX conversion on cc >= 8.9 only
+            assert r["spill_bytes"] == 0, r

@@ -1,4 +1,5 @@
-"""FP8 Triton kernels (kernels/triton/fp8_quant.py, fp8_gemm.py) against the PyTorch references (kernels/fp8.py).
+"""FP8 Triton kernels (kernels/triton/fp8_quant.py, fp8_gemm.py, fp8_gemv.py) against the PyTorch references
+(kernels/fp8.py) and, for the GEMV, a float64 reference of its own math.
 
 CPU: Triton's interpreter on tiny shapes (TRITON_INTERPRET=1, tests/kernels/conftest.py); `gpu` tests at
 real sizes on a CUDA device (4096 x 4096, 14336 x 4096, 128 x 128 blocks, `torch._scaled_mm`).
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import fp8
-from tokenmill.kernels.triton import fp8_gemm, splitk
+from tokenmill.kernels.triton import fp8_gemm, fp8_gemv, splitk
 from tokenmill.kernels.triton.fp8_quant import quantize_fp8_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,7 +135,7 @@ def test_weight_only_triton_matches_reference(m, n, k, scheme, block, dtype, cap
 
 def test_paths_and_tiles_are_planned_by_capability_and_m():
     plan = fp8_gemm.plan_fp8_gemm
-    assert plan(1, 4096, 4096, True, (9, 0), 132).path == "triton" and plan(1, 4096, 4096, True, (9, 0), 132).split_k > 1
+    assert plan(4, 4096, 4096, True, (9, 0), 132).path == "triton" and plan(4, 4096, 4096, True, (9, 0), 132).split_k > 1
     assert plan(4096, 4096, 4096, True, (9, 0), 132, 128).block_k == 128
     assert plan(4096, 4096, 4096, False, (9, 0), 132).path == "cublas"
     assert plan(100, 4096, 4096, False, (8, 0), 108).path == "triton"
@@ -205,6 +206,127 @@ def test_entry_points_on_cpu_use_the_reference():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The GEMV (M <= 4) against a float64 reference of its math: e4m3 codes decoded exactly, scales applied once
+
+
+def gemv_reference(x: torch.Tensor, w: fp8.Fp8Weight, x_scale: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, P) float64 [M, N]: y = s_x * s_w * (x @ q_w^T) (+ bias) with x the e4m3 codes' values (x_scale given)
+    or x itself, and P the same sum over |products| (the scale of float32 summation errors)."""
+    xv = fp8.e4m3_to_float(x, torch.float64) if x_scale is not None else x.double()
+    wv = fp8.e4m3_to_float(w.weight, torch.float64)
+    sx = x_scale.double().reshape(-1, 1) if x_scale is not None else torch.ones(1, 1, dtype=torch.float64)
+    sw = w.scale.double().reshape(1, -1)
+    y = (xv @ wv.t()) * sx * sw
+    p = (xv.abs() @ wv.abs().t()) * sx.abs() * sw.abs()
+    return (y + bias.double() if bias is not None else y), p
+
+
+def assert_gemv_close(y: torch.Tensor, ref: torch.Tensor, p: torch.Tensor, k: int) -> None:
+    """|y - ref| <= u(dtype) |ref| (one rounding to y's dtype) + K 2^-24 P (float32 summation, exact products)."""
+    assert not bool(y.isnan().any()), "an output element was not written"
+    err = (y.double().cpu() - ref.cpu()).abs()
+    bound = U[y.dtype] * ref.abs().cpu() + k * 2.0 ** -24 * p.cpu() + 1e-30
+    assert bool((err <= bound).all()), f"max err / bound {float((err / bound).max()):.3g}"
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Outputs and split-K partials start as NaN, so an element the kernels skip fails the comparison."""
+    monkeypatch.setattr(fp8_gemv, "_new_output",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+# Every pair of values of (N x K, M, activation mode, scale scheme, split / prefetch) appears at least once (a
+# covering array instead of all 192 combinations: the Triton interpreter takes ~0.25 s per launch). N x K: ragged
+# N and K tiles, K a multiple of the step.
+GEMV_CASES = [
+    (70, 200, 1, "token", "tensor", 1, False), (70, 200, 2, "static", "channel", 3, False),
+    (70, 200, 3, "weight_only", "tensor", 1, True), (70, 200, 4, "token", "channel", 3, True),
+    (33, 256, 1, "static", "channel", 1, True), (33, 256, 2, "weight_only", "tensor", 3, True),
+    (33, 256, 3, "token", "channel", 3, False), (33, 256, 4, "static", "tensor", 1, False),
+    (70, 200, 1, "weight_only", "channel", 3, False), (33, 256, 2, "token", "tensor", 1, True),
+    (70, 200, 3, "static", "tensor", 3, True), (33, 256, 4, "weight_only", "channel", 1, False),
+    (33, 256, 1, "token", "tensor", 3, True), (70, 200, 2, "token", "channel", 1, False),
+    (33, 256, 3, "weight_only", "channel", 1, False), (70, 200, 4, "static", "channel", 3, True),
+    (70, 200, 4, "token", "tensor", 3, False), (33, 256, 4, "weight_only", "tensor", 1, True),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "m", "mode", "scheme", "split_k", "prefetch"), GEMV_CASES)
+def test_gemv_matches_float64_reference(n, k, m, mode, scheme, split_k, prefetch, nan_outputs):
+    dtype = [torch.bfloat16, torch.float16, torch.float32, torch.bfloat16][m - 1]
+    w = to(make_weight(n, k, scheme, seed=m + k), DEVICE)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(n + m)) * 2).to(dtype).to(DEVICE)
+    bias = torch.randn(n).to(dtype).to(DEVICE) if split_k == 3 else None
+    if mode == "weight_only":
+        xa, xs = x, None
+    else:
+        xa, xs = quantize_fp8_triton(x, scale=torch.tensor(0.01, device=DEVICE) if mode == "static" else None)
+    block_m = 4 if m > 2 else m
+    y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, bias, dtype, block_m, 64, 64, split_k, 1, hw_cvt=False,
+                          prefetch=prefetch)
+    ref, p = gemv_reference(xa.cpu(), to(w, "cpu"), None if xs is None else xs.cpu(),
+                            None if bias is None else bias.cpu())
+    if mode == "static":
+        assert int((xa.float().abs() == 448).sum()) > 0  # |x| / 0.01 saturates some codes: still the same math
+    assert_gemv_close(y, ref, p, k)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_gemv_through_fp8_linear_matches_reference(m, quantize, nan_outputs, monkeypatch):
+    """fp8_linear_triton plans the GEMV for M <= FP8_GEMV_M_MAX and gets the reference's result (W8A8 and
+    W8A16), for every capability (cc 7.0: weight-only, integer decoding)."""
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "fp8_gemv", lambda *a, **kw: calls.append(a[6:]) or fp8_gemv.fp8_gemv(*a, **kw))
+    w = to(make_weight(72, 160, "channel"), DEVICE)
+    x = torch.randn(m, 160, dtype=torch.bfloat16).to(DEVICE)
+    bias = torch.randn(72, dtype=torch.bfloat16).to(DEVICE)
+    for cap in ((9, 0), (8, 0), (7, 0)):
+        y = fp8_gemm.fp8_linear_triton(x, w, bias, quantize_activations=quantize, capability=cap)
+        assert_gemm_close(y, x, w, bias, quantize and cap >= (8, 9), 2.0 ** -12 if x.is_cuda else 1e-5)
+    assert len(calls) == 3 and all(c[0] == m for c in calls)  # block_m
+
+
+def test_gemv_planning_and_support():
+    plan = fp8_gemm.plan_fp8_gemm
+    for m in (1, 2):
+        p = plan(m, 4096, 4096, True, (9, 0), 132)
+        assert p.path == "gemv" and p.block_m == m and p.split_k > 1 and p.block_k % 4 == 0
+        assert (p.block_n, p.block_k // 4, p.num_warps, p.prefetch) == fp8_gemm.FP8_GEMV_TILES[m]
+    assert plan(1, 28672, 4096, True, (9, 0), 132).split_k < plan(1, 4096, 4096, True, (9, 0), 132).split_k
+    assert plan(1, 4096, 4096, False, (7, 0), 80).path == "gemv"  # every capability (integer decoding)
+    assert plan(3, 4096, 4096, True, (9, 0), 132).path == "triton"  # above FP8_GEMV_M_MAX
+    assert plan(3, 4096, 4096, True, (9, 0), 132, gemv_m_max=4).block_m == 4
+    assert plan(1, 4096, 4096, True, (9, 0), 132, scale_block_k=128).path == "triton"  # block scales
+    assert plan(1, 4096, 4098, False, (9, 0), 132).path == "triton"  # K not a multiple of 4
+    assert plan(1, 4096, 4096, True, (9, 0), 132, gemv_m_max=0).path == "triton"
+    q = make_weight(8, 64, "channel").weight
+    assert fp8_gemv.gemv_supported(q, None) and fp8_gemv.gemv_supported(q.view(torch.uint8)[:, 4:], None)
+    assert not fp8_gemv.gemv_supported(q, (128, 128))
+    assert not fp8_gemv.gemv_supported(q[:, 1:], None) and not fp8_gemv.gemv_supported(q[:, 2:6], None)
+    assert not fp8_gemv.gemv_supported(q.t(), None)
+
+
+def test_gemv_skips_block_weights_and_rejects_bad_launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "fp8_gemv", lambda *a, **kw: calls.append(1) or fp8_gemv.fp8_gemv(*a, **kw))
+    w = to(make_weight(40, 64, "block", (32, 32)), DEVICE)
+    x = torch.randn(1, 64).to(DEVICE)
+    assert_gemm_close(fp8_gemm.fp8_linear_triton(x, w, capability=(9, 0)), x, w, None, True, 1e-5 if not x.is_cuda
+                      else 2.0 ** -12)
+    assert calls == []
+    wc = to(make_weight(40, 64, "channel"), DEVICE)
+    with pytest.raises(ValueError, match="block_m"):
+        fp8_gemv.fp8_gemv(torch.randn(3, 64).to(DEVICE), wc.weight, wc.scale, None, None, torch.float32, 2, 64, 64,
+                          1, 1, hw_cvt=False)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        fp8_gemv.fp8_gemv(torch.randn(1, 63).to(DEVICE), wc.weight[:, :63], wc.scale, None, None, torch.float32, 1,
+                          64, 64, 1, 1, hw_cvt=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # GPU at real sizes
 
 
@@ -235,6 +357,30 @@ def test_gpu_real_sizes(m, n, k):
         assert_gemm_close(y, x, w, None, False, e)
         y = fp8_gemm.fp8_linear_triton(x.half(), w, quantize_activations=False, capability=(7, 0))
         assert_gemm_close(y, x.half(), w, None, False, 2.0 ** -11 if m > fp8_gemm.SMALL_M_MAX_CC70 else 2.0 ** -12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k", "scheme"), [(6144, 4096, "channel"), (4096, 4096, "tensor"),
+                                                (28672, 4096, "channel"), (4096, 14336, "channel")])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_gpu_gemv_llama_shapes(n, k, scheme, m, nan_outputs):
+    """The GEMV at Llama-3.1-8B's linear shapes with the planned tiles (FP8_GEMV_TILES, also for M = 4) against
+    the float64 reference of its math: W8A8 per-token and static x, W8A16 bfloat16 x; the PTX conversion
+    (cc >= 8.9) and the integer decoding, with and without the prefetch."""
+    torch.manual_seed(0)
+    w = to(make_weight(n, k, scheme), "cuda")
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    cap, sms = splitk.device_facts(x.device)
+    plan = fp8_gemm.plan_fp8_gemm(m, n, k, True, cap, sms, gemv_m_max=4)
+    assert plan.path == "gemv"
+    inputs = [quantize_fp8_triton(x), quantize_fp8_triton(x, scale=torch.tensor(0.02, device="cuda")), (x, None)]
+    for xa, xs in inputs:
+        ref, p = gemv_reference(xa, w, xs, None)
+        for hw in (True, False) if cap >= (8, 9) else (False,):
+            for prefetch in (plan.prefetch, not plan.prefetch):
+                y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, None, torch.bfloat16, plan.block_m, plan.block_n,
+                                      plan.block_k, plan.split_k, plan.num_warps, hw, prefetch)
+                assert_gemv_close(y, ref, p, k)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,8 @@ any GPU) and M:
 
 - W8A8, cc >= 8.9 (FP8 tensor cores). x is quantized per token (one launch,
   `fp8_quant.quantize_fp8_triton`; static per-tensor when the checkpoint gives `input_scale`), then
+  * M <= FP8_GEMV_M_MAX, per-tensor / per-channel weights (`fp8_gemv.gemv_supported`): the FMA GEMV
+    (`fp8_gemv.py`: e4m3 codes of x and W decoded exactly to float32, float32 FMAs, the scales once).
   * M <= SMALL_M_MAX (decode): the Triton split-K GEMM below with fp8 `tl.dot` (H200, in CUDA graphs with the
     weights from HBM, Llama-3.1-8B's four linears at M = 1..16: 103-106 us per layer against 149-152 for
     `_scaled_mm` and 128-139 for bf16 F.linear; benchmarks/gpu/results/session9/visit2/fp8k.log).
@@ -20,8 +22,8 @@ any GPU) and M:
     (the float32 promotion of every 128-deep partial product, DeepSeek-V3 report §3.3.2).
 - W8A16 (weight-only), any capability: the GEMM loads the weight's uint8 bits, decodes them to
   float16 with integer ops (`fp8_quant.e4m3_to_f16_div256`; no FP8 instruction, so it compiles for
-  sm_70) and multiplies in x's dtype; scales as above (the x256 of the decode folded in). Small M:
-  split-K over 16-row tiles (cc < 8.0: float32 multiply-and-sum instead of `tl.dot`, which has no
+  sm_70) and multiplies in x's dtype; scales as above (the x256 of the decode folded in). M <=
+  FP8_GEMV_M_MAX: the FMA GEMV as above (x itself, widened to float32). Small M: split-K over 16-row tiles (cc < 8.0: float32 multiply-and-sum instead of `tl.dot`, which has no
   tensor cores there; shared/PLATFORMS.md); medium M (cc >= 8.0): tiled; large M, and M above small
   on cc < 8.0: dequantize once (`dequantize_fp8_triton`) + cuBLAS.
 
@@ -51,6 +53,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8 import Fp8Weight, fp8_bits, weight_scheme
+from tokenmill.kernels.triton.fp8_gemv import fp8_gemv, gemv_supported
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, quantize_fp8_triton
 from tokenmill.kernels.triton.numerics import round_code, round_to, use_libdevice
 from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel
@@ -59,6 +62,18 @@ FP16_MAX = 65504.0
 SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
 LARGE_M_MIN = 1024  # W8A16 above this: dequantize + cuBLAS
 SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS above
+# M <= FP8_GEMV_M_MAX (every capability; per-tensor / per-channel weights that `fp8_gemv.gemv_supported` takes):
+# the FMA GEMV (`fp8_gemv.py`). Tiles by M's power of two: (block_n, words per step, warps, prefetch), chosen
+# from the sm_90 SASS of the K loop (fp8_gemv's docstring): M = 1 runs 2.9 instructions per weight byte, M = 2 4.1 (8 rows
+# of W per thread, so decoding x costs little per weight), both well under the ~7 an H200 issues per byte read
+# at 4.8 TB/s (132 SMs x 4 warp instructions per clock x 32 lanes at 1.98 GHz); M = 4 needs 7.4 (the tile is
+# register-bound at 4 rows of W per thread) and stays on the tl.dot GEMM. Programs: ~FP8_GEMV_WARPS_PER_SM
+# warps per SM, so 132 x 12 x 4 KB of weight loads are in flight (more than HBM's ~5 MB bandwidth-delay
+# product); K is split until then (at least two steps per slice). Not yet timed on a GPU: `python
+# benchmarks/gpu/fp8_gemm.py --graphs --sweep-gemv` times these against other tiles, the split-K GEMM and bf16.
+FP8_GEMV_M_MAX = 2
+FP8_GEMV_TILES = {1: (64, 16, 1, False), 2: (128, 16, 2, False), 4: (64, 16, 2, False)}
+FP8_GEMV_WARPS_PER_SM = 12
 
 # Scale modes of the GEMM kernel (A = activations, B = weight).
 A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
@@ -182,7 +197,11 @@ def fp8_dequantize_kernel(b_ptr, scale_ptr, out_ptr, N, K, scale_block_n, scale_
 
 @dataclass(frozen=True)
 class Fp8GemmPlan:
-    """How one FP8 GEMM runs: `path` "scaled_mm" | "triton" | "cublas", and the Triton launch settings."""
+    """How one FP8 GEMM runs: `path` "scaled_mm" | "triton" | "gemv" | "cublas", and the Triton launch settings.
+
+    "gemv" (`fp8_gemv.fp8_gemv`): block_m is BLOCK_M (1, 2 or 4), block_k the K columns per step (4 per word),
+    prefetch its PREFETCH.
+    """
 
     path: str
     block_m: int = 0
@@ -192,6 +211,7 @@ class Fp8GemmPlan:
     use_dot: bool = True
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False
 
 
 def _block_k_for(scale_block_k: int | None, preferred: int) -> int:
@@ -212,11 +232,15 @@ def _block_k_for(scale_block_k: int | None, preferred: int) -> int:
 
 def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int], num_sms: int,
                   scale_block_k: int | None = None, small_m_max: int | None = None,
-                  large_m_min: int | None = None, split_k: int | None = None) -> Fp8GemmPlan:
+                  large_m_min: int | None = None, split_k: int | None = None,
+                  gemv_m_max: int | None = None) -> Fp8GemmPlan:
     """Tiles for x [m, k] @ W^T [k, n] (W8A8 fp8 dots, or W8A16 decode-in-loop) on a device of `capability`.
 
     scale_block_k: the K extent of a scale block when scales vary along K (block weights, token groups).
-    small_m_max / large_m_min / split_k override the thresholds and the K slices (tests).
+    small_m_max / large_m_min / gemv_m_max / split_k override the thresholds and the K slices (tests); pass
+    gemv_m_max=0 for weights `fp8_gemv.gemv_supported` does not take.
+    M <= gemv_m_max (default FP8_GEMV_M_MAX), no scale_block_k, K a multiple of 4: the FMA GEMV with
+    FP8_GEMV_TILES[M's power of two], K split until ~FP8_GEMV_WARPS_PER_SM warps per SM (any capability).
     H200-class tiles: small M 16 x 64 x 128 split along K until ~4 programs per SM (decode streams the
     weight from every SM); medium M 32/64-row tiles; large M 128 x 128 (fp8: 128-deep K tiles, one scale
     block each). cc < 8.0 (W8A16 only, one stage, no cp.async): BLOCK_M = next power of two of M <= 8,
@@ -225,6 +249,13 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
     cc70 = tuple(capability) < (8, 0)
     small = small_m_max if small_m_max is not None else (SMALL_M_MAX_CC70 if cc70 else SMALL_M_MAX)
     large = large_m_min if large_m_min is not None else (SMALL_M_MAX_CC70 if cc70 else LARGE_M_MIN)
+    gemv = FP8_GEMV_M_MAX if gemv_m_max is None else gemv_m_max
+    if 0 < m <= min(gemv, 4) and scale_block_k is None and k % 4 == 0:
+        bm = triton.next_power_of_2(m)
+        bn, kw, warps, prefetch = FP8_GEMV_TILES[bm]
+        programs = max(1, FP8_GEMV_WARPS_PER_SM // warps) * num_sms
+        split = choose_split_k(k, 4 * kw, triton.cdiv(n, bn), split_k, programs)
+        return Fp8GemmPlan("gemv", bm, bn, 4 * kw, split, False, warps, 1, prefetch)
     if not w8a8 and m > small and (m > large or cc70):
         return Fp8GemmPlan("cublas")
     use_dot, warps, stages = True, 4, 3
@@ -238,14 +269,19 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
         bn, bk = 128, _block_k_for(scale_block_k, 128 if w8a8 else 64)
         warps = 8 if bm == 128 else 4
-    k_tiles = max(1, triton.cdiv(k, bk))
     tiles = triton.cdiv(max(m, 1), bm) * triton.cdiv(max(n, 1), bn)
-    if split_k is None:
-        target = 4 * num_sms if m <= small else num_sms
-        split_k = max(1, min(target // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
-    split_k = max(1, min(split_k, k_tiles))
-    split_k = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))  # no empty slice
+    split_k = choose_split_k(k, bk, tiles, split_k, (4 if m <= small else 1) * num_sms)
     return Fp8GemmPlan("triton", bm, bn, bk, split_k, use_dot, warps, stages)
+
+
+def choose_split_k(k: int, bk: int, tiles: int, split_k: int | None, programs: int) -> int:
+    """K slices: `split_k` if given, else enough for `programs` programs over `tiles` output tiles while every
+    slice keeps at least two K tiles of bk; clamped to the K tiles and evened out (no empty slice)."""
+    k_tiles = max(1, triton.cdiv(k, bk))
+    if split_k is None:
+        split_k = max(1, min(programs // tiles, k_tiles // 2 if k_tiles >= 4 else 1))
+    split_k = max(1, min(split_k, k_tiles))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
 
 
 def _scale_args(scale: torch.Tensor, mode: int) -> tuple[torch.Tensor, int, int]:
@@ -361,7 +397,7 @@ def scaled_mm_rowwise(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bia
 def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                       quantize_activations: bool = True, *, capability: tuple[int, int] | None = None,
                       use_scaled_mm: bool = True, small_m_max: int | None = None, large_m_min: int | None = None,
-                      split_k: int | None = None) -> torch.Tensor:
+                      split_k: int | None = None, gemv_m_max: int | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for an FP8 weight (module docstring for the paths), CUDA or the interpreter.
 
     Args:
@@ -372,7 +408,8 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
             w.input_scale) where the capability has FP8 arithmetic (>= 8.9); False, or cc < 8.9: W8A16.
         capability: plan for this capability instead of the device's effective one (tests).
         use_scaled_mm: allow `torch._scaled_mm` (False: the Triton W8A8 GEMM; tests, benchmarks).
-        small_m_max, large_m_min, split_k: override the plan's thresholds / K slices (tests).
+        small_m_max, large_m_min, split_k, gemv_m_max: override the plan's thresholds / K slices (tests,
+            benchmarks; gemv_m_max=0 keeps M <= FP8_GEMV_M_MAX off the GEMV).
 
     Returns:
         [M, N] in x's dtype. Numerically `kernels.fp8.fp8_linear_reference(x, w, bias, W8A8?)` up to
@@ -390,6 +427,8 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
     w8a8 = quantize_activations and tuple(cap) >= (8, 9)
     m = x.shape[0]
     block = w.block_size
+    gemv = gemv_m_max if gemv_supported(w.weight, block) else 0
+    hw_cvt = tuple(cap) >= (8, 9) and use_libdevice(x)  # the GEMV's PTX FP8 conversion (compiled, cc >= 8.9)
     if w8a8:
         if w.input_scale is not None:
             xq, xs = quantize_fp8_triton(x, scale=w.input_scale)
@@ -403,10 +442,18 @@ def fp8_linear_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None =
         small = small_m_max if small_m_max is not None else SMALL_M_MAX  # the plan's own threshold
         if use_scaled_mm and m > small and scaled_mm_supported(x, w, cap):
             return scaled_mm_rowwise(xq, xs, w, bias, x.dtype)
-        plan = plan_fp8_gemm(m, n, k, True, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k)
+        plan = plan_fp8_gemm(m, n, k, True, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k,
+                             gemv)
+        if plan.path == "gemv":
+            return fp8_gemv(xq, w.weight, w.scale, xs, bias, x.dtype, plan.block_m, plan.block_n, plan.block_k,
+                            plan.split_k, plan.num_warps, hw_cvt, plan.prefetch)
         return _launch(xq, w.weight, xs, a_mode, w.scale.float(), _B_MODE[scheme], block or (1, k), bias, x.dtype, plan)
-    plan = plan_fp8_gemm(m, n, k, False, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k)
+    plan = plan_fp8_gemm(m, n, k, False, cap, sms, block[1] if block else None, small_m_max, large_m_min, split_k,
+                         gemv)
     if plan.path == "cublas":
         return _cublas_linear(x, dequantize_fp8_triton(w, x.dtype), bias)
+    if plan.path == "gemv":
+        return fp8_gemv(x, w.weight, w.scale, None, bias, x.dtype, plan.block_m, plan.block_n, plan.block_k,
+                        plan.split_k, plan.num_warps, hw_cvt, plan.prefetch)
     return _launch(x, fp8_bits(w.weight), None, A_NONE, w.scale.float(), _B_MODE[scheme], block or (1, k), bias,
                    x.dtype, plan)
