@@ -172,8 +172,8 @@ class ModelRunner:
         non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
         graphs = 0
         if self._use_cuda_graphs():
-            largest = max(capture_sizes(self.max_num_reqs, self.max_num_tokens)[-1],
-                          *mixed_capture_sizes(self.max_num_tokens, envs.mixed_cuda_graphs())[-1:])
+            largest = max([capture_sizes(self.max_num_reqs, self.max_num_tokens)[-1],
+                           *mixed_capture_sizes(self.max_num_tokens, envs.mixed_cuda_graphs())[-1:]])
             graphs = int((peak - weights) * min(1.0, largest / n))
         util = self.config.cache_config.gpu_memory_utilization
         budget = int(util * total - peak - non_torch - graphs)
