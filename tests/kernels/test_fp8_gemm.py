@@ -276,8 +276,9 @@ def test_gemv_matches_float64_reference(n, k, m, mode, scheme, split_k, prefetch
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("quantize", [True, False])
 def test_gemv_through_fp8_linear_matches_reference(m, quantize, nan_outputs, monkeypatch):
-    """fp8_linear_triton plans the GEMV for M <= FP8_GEMV_M_MAX and gets the reference's result (W8A8 and
-    W8A16), for every capability (cc 7.0: weight-only, integer decoding)."""
+    """With FP8_GEMV_M_MAX = 2, fp8_linear_triton plans the GEMV for M <= 2 and gets the reference's result (W8A8
+    and W8A16), for every capability (cc 7.0: weight-only, integer decoding)."""
+    monkeypatch.setattr(fp8_gemm, "FP8_GEMV_M_MAX", 2)
     calls = []
     monkeypatch.setattr(fp8_gemm, "fp8_gemv", lambda *a, **kw: calls.append(a[6:]) or fp8_gemv.fp8_gemv(*a, **kw))
     w = to(make_weight(72, 160, "channel"), DEVICE)
@@ -289,8 +290,11 @@ def test_gemv_through_fp8_linear_matches_reference(m, quantize, nan_outputs, mon
     assert len(calls) == 3 and all(c[0] == m for c in calls)  # block_m
 
 
-def test_gemv_planning_and_support():
+def test_gemv_planning_and_support(monkeypatch):
     plan = fp8_gemm.plan_fp8_gemm
+    # Off by default (slower than the split-K GEMM on the H200): decode takes the tl.dot GEMM.
+    assert fp8_gemm.FP8_GEMV_M_MAX == 0 and plan(1, 4096, 4096, True, (9, 0), 132).path == "triton"
+    monkeypatch.setattr(fp8_gemm, "FP8_GEMV_M_MAX", 2)
     for m in (1, 2):
         p = plan(m, 4096, 4096, True, (9, 0), 132)
         assert p.path == "gemv" and p.block_m == m and p.split_k > 1 and p.block_k % 4 == 0
@@ -374,8 +378,9 @@ def test_gpu_gemv_llama_shapes(n, k, scheme, m, nan_outputs):
     plan = fp8_gemm.plan_fp8_gemm(m, n, k, True, cap, sms, gemv_m_max=4)
     assert plan.path == "gemv"
     inputs = [quantize_fp8_triton(x), quantize_fp8_triton(x, scale=torch.tensor(0.02, device="cuda")), (x, None)]
+    w_cpu = to(w, "cpu")
     for xa, xs in inputs:
-        ref, p = gemv_reference(xa, w, xs, None)
+        ref, p = gemv_reference(xa.cpu(), w_cpu, None if xs is None else xs.cpu(), None)
         for hw in (True, False) if cap >= (8, 9) else (False,):
             for prefetch in (plan.prefetch, not plan.prefetch):
                 y = fp8_gemv.fp8_gemv(xa, w.weight, w.scale, xs, None, torch.bfloat16, plan.block_m, plan.block_n,

@@ -6,8 +6,9 @@ any GPU) and M:
 
 - W8A8, cc >= 8.9 (FP8 tensor cores). x is quantized per token (one launch,
   `fp8_quant.quantize_fp8_triton`; static per-tensor when the checkpoint gives `input_scale`), then
-  * M <= FP8_GEMV_M_MAX, per-tensor / per-channel weights (`fp8_gemv.gemv_supported`): the FMA GEMV
-    (`fp8_gemv.py`: e4m3 codes of x and W decoded exactly to float32, float32 FMAs, the scales once).
+  * M <= FP8_GEMV_M_MAX (0: off by default, slower than the split-K GEMM on the H200, see below), per-tensor /
+    per-channel weights (`fp8_gemv.gemv_supported`): the FMA GEMV (`fp8_gemv.py`: e4m3 codes of x and W decoded
+    exactly to float32, float32 FMAs, the scales once).
   * M <= SMALL_M_MAX (decode): the Triton split-K GEMM below with fp8 `tl.dot` (H200, in CUDA graphs with the
     weights from HBM, Llama-3.1-8B's four linears at M = 1..16: 103-106 us per layer against 149-152 for
     `_scaled_mm` and 128-139 for bf16 F.linear; benchmarks/gpu/results/session9/visit2/fp8k.log).
@@ -69,9 +70,12 @@ SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS a
 # at 4.8 TB/s (132 SMs x 4 warp instructions per clock x 32 lanes at 1.98 GHz); M = 4 needs 7.4 (the tile is
 # register-bound at 4 rows of W per thread) and stays on the tl.dot GEMM. Programs: ~FP8_GEMV_WARPS_PER_SM
 # warps per SM, so 132 x 12 x 4 KB of weight loads are in flight (more than HBM's ~5 MB bandwidth-delay
-# product); K is split until then (at least two steps per slice). Not yet timed on a GPU: `python
-# benchmarks/gpu/fp8_gemm.py --graphs --sweep-gemv` times these against other tiles, the split-K GEMM and bf16.
-FP8_GEMV_M_MAX = 2
+# product); K is split until then (at least two steps per slice).
+# Off (0) since its H200 run (session 10, `python benchmarks/gpu/fp8_gemm.py --graphs --sweep-gemv`,
+# benchmarks/gpu/results/session10/visit2/fp8gemv-graphs.log): per Llama-3.1-8B layer at M = 1 the planned
+# tiles took 142.4 us and the best of 13 configurations 109.6, against 102.1 for the split-K tl.dot GEMM and
+# 131.2 for bf16 (floor 45.4); end to end, TPOT 5.24 ms with it against 3.97 without. Pass gemv_m_max to use it.
+FP8_GEMV_M_MAX = 0
 FP8_GEMV_TILES = {1: (64, 16, 1, False), 2: (128, 16, 2, False), 4: (64, 16, 2, False)}
 FP8_GEMV_WARPS_PER_SM = 12
 
@@ -249,7 +253,7 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
     cc70 = tuple(capability) < (8, 0)
     small = small_m_max if small_m_max is not None else (SMALL_M_MAX_CC70 if cc70 else SMALL_M_MAX)
     large = large_m_min if large_m_min is not None else (SMALL_M_MAX_CC70 if cc70 else LARGE_M_MIN)
-    gemv = FP8_GEMV_M_MAX if gemv_m_max is None else gemv_m_max
+    gemv = FP8_GEMV_M_MAX if gemv_m_max is None else gemv_m_max  # 0 by default: off
     if 0 < m <= min(gemv, 4) and scale_block_k is None and k % 4 == 0:
         bm = triton.next_power_of_2(m)
         bn, kw, warps, prefetch = FP8_GEMV_TILES[bm]
