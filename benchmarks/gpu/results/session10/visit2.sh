@@ -35,6 +35,8 @@ if [[ ${1:-a} == a ]]; then
   TAILN=4 step ttft-eager 60 env TOKENMILL_MIXED_CUDA_GRAPHS=0 $OB --part tpot --host-profile --json-out $OUT/ttft-eager.json
   grep -E "^TTFT of|under cProfile" "$OUT/ttft-eager.log"
 else
+  TAILN=25 step gemvtest 40 $PT -m gpu -x --tb=short "tests/kernels/test_fp8_gemm.py::test_gpu_gemv_llama_shapes"
+  TAILN=40 step fp8gemv-graphs 70 python benchmarks/gpu/fp8_gemm.py --graphs --sweep-gemv
   TAILN=30 step offline-graphs 110 $OB --part offline --hf-prompts 0 --profile-offline-steps 8 --json-out $OUT/offline-graphs.json
   TAILN=4 step offline-eager 110 env TOKENMILL_MIXED_CUDA_GRAPHS=0 $OB --part offline --hf-prompts 0 --json-out $OUT/offline-eager.json
   TAILN=4 step qtpot-fp8 60 $OB --part tpot --config $L/llama-3.1-8b-fp8.json --json-out $OUT/qtpot-fp8.json
