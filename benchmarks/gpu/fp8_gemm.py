@@ -62,6 +62,23 @@ GEMV_CONFIGS = [(64, 16, 1, 12, False), (64, 16, 1, 12, True), (32, 16, 1, 16, F
                 (64, 16, 1, 0, True)]
 
 
+def print_row(totals: dict, m: int, name: str, floor: float, times: dict[str, float], cols: list[str],
+              width: int) -> None:
+    """Print one linear's row (us per column, '-' where not timed) and add it to the per-layer `totals`."""
+    for c, t in [("floor", floor), *times.items()]:
+        totals[(m, c)] = totals.get((m, c), 0.0) + t
+    print(f"{m:>5} {name:>8} {floor:7.1f} " + " ".join(f"{times[c]:{width}.1f}" if c in times else f"{'-':>{width}}"
+                                                     for c in cols))
+
+
+def print_layer_totals(totals: dict, ms: list[int], cols: list[str], width: int) -> None:
+    """Print the per-decoder-layer sums of the four linears collected by `print_row`."""
+    print("Per decoder layer (sum of the four linears):")
+    for m in ms:
+        print(f"{m:>5} {'layer':>8} {totals[(m, 'floor')]:7.1f} "
+              + " ".join(f"{totals[(m, c)]:{width}.1f}" if (m, c) in totals else f"{'-':>{width}}" for c in cols))
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # ms -> us
 
@@ -114,15 +131,8 @@ def sweep_gemv(ms: list[int], graphs: bool) -> None:
                 runs[c] = functools.partial(lambda cfg, i: gemv_w8a8(x, wc[i], cfg), cfg)
             active = [c for c in cols if m <= 4 or c in ("bf16", "splitk")]
             times = time_calls(runs, active, copies, graphs)
-            floor = n * k / HBM_BYTES_PER_S * 1e6
-            for c, t in [("floor", floor), *times.items()]:
-                totals[(m, c)] = totals.get((m, c), 0.0) + t
-            print(f"{m:>5} {name:>8} {floor:7.1f} " + " ".join(f"{times[c]:8.1f}" if c in times else f"{'-':>8}"
-                                                             for c in cols))
-    print("Per decoder layer (sum of the four linears):")
-    for m in ms:
-        print(f"{m:>5} {'layer':>8} {totals[(m, 'floor')]:7.1f} "
-              + " ".join(f"{totals[(m, c)]:8.1f}" if (m, c) in totals else f"{'-':>8}" for c in cols))
+            print_row(totals, m, name, n * k / HBM_BYTES_PER_S * 1e6, times, cols, 8)
+    print_layer_totals(totals, ms, cols, 8)
 
 
 def main() -> None:
@@ -168,15 +178,8 @@ def main() -> None:
             }
             active = [c for c in cols if c != "w8a8_gemv" or m <= 4]
             times = time_calls(runs, active, copies, args.graphs)
-            floor = n * k / HBM_BYTES_PER_S * 1e6
-            for c, t in [("floor", floor), *times.items()]:
-                totals[(m, c)] = totals.get((m, c), 0.0) + t
-            print(f"{m:>5} {name:>8} {floor:7.1f} " + " ".join(f"{times[c]:10.1f}" if c in times else f"{'-':>10}"
-                                                             for c in cols))
-    print("Per decoder layer (sum of the four linears):")
-    for m in args.m:
-        print(f"{m:>5} {'layer':>8} {totals[(m, 'floor')]:7.1f} "
-              + " ".join(f"{totals[(m, c)]:10.1f}" if (m, c) in totals else f"{'-':>10}" for c in cols))
+            print_row(totals, m, name, n * k / HBM_BYTES_PER_S * 1e6, times, cols, 10)
+    print_layer_totals(totals, args.m, cols, 10)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,20 @@ def test_padded_size_is_smallest_capture_at_least_n():
     assert padded_size(sizes, 65) is None
 
 
+def _buffers(n_tok: int, n_req: int) -> dict[str, torch.Tensor]:
+    """Persistent step buffers with recognisable stale contents (tokens and requests)."""
+    return {
+        "input_ids": torch.arange(n_tok, dtype=torch.int64) + 100,
+        "positions": torch.arange(n_tok, dtype=torch.int64) + 7,
+        "slot_mapping": torch.arange(n_tok, dtype=torch.int64) + 50,
+        "query_start_loc": torch.arange(n_req + 1, dtype=torch.int32) * 3,
+        "seq_lens": torch.full((n_req,), 9, dtype=torch.int32),
+    }
+
+
 def test_pad_decode_inputs_makes_harmless_padding_rows():
     n_buf = 16
-    bufs = {
-        "input_ids": torch.arange(n_buf, dtype=torch.int64) + 100,
-        "positions": torch.arange(n_buf, dtype=torch.int64) + 7,
-        "slot_mapping": torch.arange(n_buf, dtype=torch.int64) + 50,
-        "query_start_loc": torch.arange(n_buf + 1, dtype=torch.int32) * 3,
-        "seq_lens": torch.full((n_buf,), 9, dtype=torch.int32),
-    }
+    bufs = _buffers(n_buf, n_buf)
     before = {k: v.clone() for k, v in bufs.items()}
     runner = CUDAGraphRunner(lambda i, p: i, bufs, torch.zeros(n_buf, 4, dtype=torch.int32), [], None,
                              capture_sizes(n_buf, 64), max_model_len=64)
@@ -72,13 +77,7 @@ def test_mixed_capture_sizes():
 
 
 def _mixed_runner(n_tok: int, n_req: int):
-    bufs = {
-        "input_ids": torch.arange(n_tok, dtype=torch.int64) + 100,
-        "positions": torch.arange(n_tok, dtype=torch.int64) + 7,
-        "slot_mapping": torch.arange(n_tok, dtype=torch.int64) + 50,
-        "query_start_loc": torch.arange(n_req + 1, dtype=torch.int32) * 3,
-        "seq_lens": torch.full((n_req,), 9, dtype=torch.int32),
-    }
+    bufs = _buffers(n_tok, n_req)
     runner = CUDAGraphRunner(lambda i, p: i, bufs, torch.zeros(n_req, 4, dtype=torch.int32), [], None,
                              capture_sizes(n_req, n_tok), max_model_len=64, mixed_sizes=mixed_capture_sizes(n_tok))
     return runner, bufs

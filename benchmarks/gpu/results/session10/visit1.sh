@@ -7,22 +7,8 @@
 # b: end to end: gpt-oss-20b offline and TPOT, AWQ TPOT (GEMV defaults of 353bb0f, never run end to end), FP8
 #    TPOT with the host-side operator table of the prefill step.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
-unset TRITON_INTERPRET TOKENMILL_FORCE_CC70
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
-C=${GIT_COMMIT:-unknown}
-BUDGET=${2:-580}; T0=$(date +%s)
-PT="python -m pytest -q -p no:cacheprovider -rfE --durations=5"
-OB="python benchmarks/gpu/offline_bench.py --git-commit $C"
-L=benchmarks/configs
-step() { local name=$1 lim=$2; shift 2; local left=$(( BUDGET - ($(date +%s) - T0) ))
-  if (( left < lim )); then echo "=== $name SKIPPED (limit ${lim}s, ${left}s left)"; return; fi
-  local t0=$(date +%s); timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n ${TAILN:-6} "$OUT/$name.log"; }
+BUDGET=${2:-580}
+source benchmarks/gpu/visit_steps.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ ${1:-a} == a ]]; then
   TAILN=16 step gputests 300 $PT -m gpu tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe_fp8.py \

@@ -8,22 +8,8 @@
 #    gpt-oss-20b offline; gpt-oss-120b TPOT; gpt-oss-20b KV without the window saving and TPOT on the cc-7.0
 #    path; Qwen3-30B-A3B FP8 offline.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
-unset TRITON_INTERPRET TOKENMILL_FORCE_CC70 TOKENMILL_MIXED_CUDA_GRAPHS
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
-C=${GIT_COMMIT:-unknown}
-BUDGET=${2:-580}; T0=$(date +%s)
-PT="python -m pytest -q -p no:cacheprovider -rfE --durations=5"
-OB="python benchmarks/gpu/offline_bench.py --git-commit $C"
-L=benchmarks/configs
-step() { local name=$1 lim=$2; shift 2; local left=$(( BUDGET - ($(date +%s) - T0) ))
-  if (( left < lim )); then echo "=== $name SKIPPED (limit ${lim}s, ${left}s left)"; return; fi
-  local t0=$(date +%s); timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n ${TAILN:-6} "$OUT/$name.log"; }
+BUDGET=${2:-580}
+source benchmarks/gpu/visit_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ ${1:-a} == a ]]; then
   TAILN=12 step gputests 200 $PT -m gpu tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_llama_parity.py \
