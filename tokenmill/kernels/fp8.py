@@ -39,8 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+from tokenmill import dtypes
+
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_MAX = dtypes.FP8_MAX[FP8_DTYPE]  # 448.0, the one table of fp8 limits (tokenmill/dtypes.py)
 # Floor of every computed scale: an all-zero row gets a finite scale (its q is 0), and 1e-12 stays far above
 # float32's subnormals, so no device that flushes subnormals sees a zero divisor.
 MIN_SCALE = 1e-12

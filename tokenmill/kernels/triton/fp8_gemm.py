@@ -218,7 +218,7 @@ class Fp8GemmPlan:
     prefetch: bool = False
 
 
-def _block_k_for(scale_block_k: int | None, preferred: int) -> int:
+def block_k_for_scales(scale_block_k: int | None, preferred: int) -> int:
     """Largest power of two <= preferred dividing scale_block_k (one scale per K tile), at least 16.
 
     Raises:
@@ -265,13 +265,13 @@ def plan_fp8_gemm(m: int, n: int, k: int, w8a8: bool, capability: tuple[int, int
     use_dot, warps, stages = True, 4, 3
     if m <= small and cc70:
         bm, bn = min(triton.next_power_of_2(max(m, 1)), 8), 64
-        bk = _block_k_for(scale_block_k, max(16, 8192 // (bm * bn)) if bm > 1 else 128)
+        bk = block_k_for_scales(scale_block_k, max(16, 8192 // (bm * bn)) if bm > 1 else 128)
         use_dot, stages = False, 1
     elif m <= small:
-        bm, bn, bk = 16, 64, _block_k_for(scale_block_k, 128)
+        bm, bn, bk = 16, 64, block_k_for_scales(scale_block_k, 128)
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        bn, bk = 128, _block_k_for(scale_block_k, 128 if w8a8 else 64)
+        bn, bk = 128, block_k_for_scales(scale_block_k, 128 if w8a8 else 64)
         warps = 8 if bm == 128 else 4
     tiles = triton.cdiv(max(m, 1), bm) * triton.cdiv(max(n, 1), bn)
     split_k = choose_split_k(k, bk, tiles, split_k, (4 if m <= small else 1) * num_sms)

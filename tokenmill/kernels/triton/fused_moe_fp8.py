@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8 import FP8_DTYPE, fp8_bits
-from tokenmill.kernels.triton.fp8_gemm import _block_k_for
+from tokenmill.kernels.triton.fp8_gemm import block_k_for_scales
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, quantize_fp8_triton
 from tokenmill.kernels.triton.fused_moe import expert_activation, moe_align_block_size, moe_sum, tile_pairs
 from tokenmill.kernels.triton.numerics import round_code, round_to, use_libdevice
@@ -299,7 +299,7 @@ def grouped_fp8_gemm(a: torch.Tensor, w: torch.Tensor, scales: ExpertScales, bia
     sorted_pair_ids, tile_expert_ids, num_post = aligned
     num_pairs, n = c.shape
     s = scales
-    block_k = _block_k_for(s.block_k, cfg.block_k) if s.along_k else cfg.block_k
+    block_k = block_k_for_scales(s.block_k, cfg.block_k) if s.along_k else cfg.block_k
     a_fp8 = a.dtype == FP8_DTYPE
     a_group = a_fp8 and a_scale.dim() == 2 and a_scale.shape[1] > 1
     assert not a_group or (s.along_k and a_scale.shape[1] == triton.cdiv(w.shape[2], s.block_k)), \
