@@ -73,6 +73,7 @@ def make_scheduler():
         policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         async_scheduling: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> Scheduler:
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -81,6 +82,7 @@ def make_scheduler():
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         cache_cfg = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
         return Scheduler(sched_cfg, cache_cfg, num_blocks)

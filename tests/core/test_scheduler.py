@@ -54,6 +54,27 @@ def test_chunked_prefill_over_several_steps(make_scheduler, make_request, step):
     assert stats.num_chunked_prefill_steps == 2 and stats.num_steps == 3
 
 
+def test_long_prefill_token_threshold_caps_each_prompts_chunk(make_scheduler, make_request, step):
+    """--long-prefill-token-threshold 16: a prompt takes at most 16 tokens a step, so a second prompt and a
+    running decode share the step's budget instead of the first prompt taking all of it."""
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    s.add_request(make_request("a", 40, start=100))
+    s.add_request(make_request("b", 10, start=200))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 16, "b": 10}
+    s.add_request(make_request("c", 50, start=300))
+    out, _ = step(s)
+    # a continues at 16, b decodes one token, c starts at 16: 33 of 64, the rest left for other requests.
+    assert out.num_scheduled_tokens == {"a": 16, "b": 1, "c": 16}
+    out, res = step(s)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 1, "c": 16}
+    assert {o.request_id for o in res.outputs} == {"a", "b"}  # a's last chunk samples
+    off = make_scheduler(max_num_batched_tokens=64)
+    off.add_request(make_request("a", 40, start=100))
+    off.add_request(make_request("b", 10, start=200))
+    assert step(off)[0].num_scheduled_tokens == {"a": 40, "b": 10}  # 0 = off: the budget alone
+
+
 def test_chunked_prefill_disabled_prompt_waits_for_budget(make_scheduler, make_request, step):
     s = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
     s.add_request(make_request("a", 40, start=100, max_model_len=64))

@@ -82,6 +82,8 @@ def test_chunked_prefill_off_budget_covers_max_model_len(tmp_path):
     ({"gpu_memory_utilization": 1.5}, "gpu-memory-utilization"),
     ({"dtype": "int8"}, "dtype"),
     ({"load_format": "npz"}, "load-format"),
+    ({"long_prefill_token_threshold": -1}, "long-prefill-token-threshold must be >= 0"),
+    ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}, "needs chunked prefill"),
 ])
 def test_invalid_arguments(tiny_folder, kwargs, match):
     with pytest.raises(ValueError, match=match):

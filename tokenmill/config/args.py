@@ -52,6 +52,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: a prefill takes at most this many tokens per step
     scheduling_policy: str = "fcfs"
     async_scheduling: bool | None = None  # None: on for one CUDA device, off elsewhere
     # device
@@ -131,6 +132,9 @@ class EngineArgs:
                        help="Token budget of one step. Default as vLLM: CPU 4096 offline / 2048 server; GPU 16384 offline / 8192 server on >= 70 GiB cards, else 8192 / 2048.")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="Split long prompts over steps so decodes keep running (default on).")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+                       help="With chunked prefill: a prompt takes at most this many tokens per step (0: off, the "
+                            "default), so long prompts leave room in each step for others and for running decodes.")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
                        help="fcfs: arrival order; priority: smaller `priority` first, then arrival.")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

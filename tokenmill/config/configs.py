@@ -115,6 +115,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # > 0: a prefill (prompt, or resumed prompt + outputs) takes at most this many tokens per step (vLLM's
+    # long_prefill_token_threshold); 0: off.
+    long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # fcfs | priority
     # Schedule step N+1 while step N runs (its sampled ids are read on the device).
     async_scheduling: bool = False

@@ -145,6 +145,11 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
     if args.max_seq_len_to_capture < 1:
         raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {args.max_seq_len_to_capture}.")
     kv_cache_dtype(args.kv_cache_dtype, torch.float32)  # an unknown name fails here, before anything loads
+    if args.long_prefill_token_threshold < 0:
+        raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {args.long_prefill_token_threshold}.")
+    if args.long_prefill_token_threshold and not args.enable_chunked_prefill:
+        raise ValueError("--long-prefill-token-threshold splits prompts over steps, which needs chunked prefill; "
+                         "drop --no-enable-chunked-prefill or the threshold.")
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
 
@@ -382,6 +387,7 @@ def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, 
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         policy=args.scheduling_policy,
         async_scheduling=_resolve_async_scheduling(args, platform),
     )

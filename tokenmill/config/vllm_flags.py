@@ -107,6 +107,8 @@ FLAGS: tuple[FlagInfo, ...] = (
     _i("--max-num-batched-tokens", "Token budget of one step.", ("--max-num-batched-tokens", "1000")),
     _i("--enable-chunked-prefill", "Split long prompts over steps (default on; --no-enable-chunked-prefill).",
        ("--no-enable-chunked-prefill",)),
+    _i("--long-prefill-token-threshold", "With chunked prefill, a prompt takes at most this many tokens per step "
+       "(0: off); keeps room in each step for running decodes.", ("--long-prefill-token-threshold", "512")),
     _i("--scheduling-policy", "fcfs or priority.", ("--scheduling-policy", "priority")),
     _i("--async-scheduling", "Prepare step N+1 while step N runs (default: on for one GPU).", ("--async-scheduling",)),
     # --- device ---
@@ -190,8 +192,6 @@ FLAGS: tuple[FlagInfo, ...] = (
          ("--max-num-partial-prefills", "2")),
     _ign("--max-long-partial-prefills", "chunked prefill schedules partial prefills by the token budget alone.",
          ("--max-long-partial-prefills", "1")),
-    _ign("--long-prefill-token-threshold", "chunked prefill schedules partial prefills by the token budget alone.",
-         ("--long-prefill-token-threshold", "512")),
     _ign("--prefix-caching-hash-algo", "prefix-cache block hashes are always sha256-based.",
          ("--prefix-caching-hash-algo", "sha256")),
     _ign("--compilation-config", "tokenmill does not use torch.compile; CUDA graphs follow --enforce-eager and "

@@ -102,6 +102,8 @@ class Scheduler:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.max_model_len = cfg.max_model_len
         self.enable_chunked_prefill = cfg.enable_chunked_prefill
+        # > 0: a request's chunk per step is capped here (vLLM's long_prefill_token_threshold).
+        self.long_prefill_cap = cfg.long_prefill_token_threshold or max(cfg.max_num_batched_tokens, 1)
         self.policy = cfg.policy
         self.async_scheduling = cfg.async_scheduling
         # Unfinished requests with Request.needs_sync set (the engine keeps steps synchronous while > 0).
@@ -200,6 +202,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
         token_budget = self.max_num_batched_tokens
+        long_prefill_cap = self.long_prefill_cap
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         cached_req_ids, cached_new_blocks, cached_computed = (
@@ -225,6 +228,8 @@ class Scheduler:
             # min(num_left, token_budget, max_model_len - num_computed), spelled
             # out: builtin min() costs ~10x a comparison on Python 3.11.
             num_new = num_left if num_left < token_budget else token_budget  # noqa: FURB136
+            if long_prefill_cap < num_new:  # noqa: PLR1730
+                num_new = long_prefill_cap
             if max_model_len - num_computed < num_new:  # noqa: PLR1730
                 num_new = max_model_len - num_computed
             if num_new <= 0:
@@ -304,7 +309,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, max_model_len - num_hit_tokens)
             if not self.enable_chunked_prefill and num_new > token_budget:
                 break
-            num_new = min(num_new, token_budget)
+            num_new = min(num_new, token_budget, self.long_prefill_cap)
             assert num_new > 0
             block_ids = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
             if block_ids is None:
