@@ -44,6 +44,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
 )
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
+from tokenmill.models import cpu_fused_decode
 from tokenmill.models.utils import PPMissingLayer, checkpoint_renamer, load_weights_with_mapping, make_layers
 
 
@@ -265,6 +266,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None and input_ids.shape[0] == 1:
+            # one CPU decode token of a GGUF Llama-style stack: one C call (models/cpu_fused_decode.py)
+            hidden = cpu_fused_decode.run(self, input_ids, positions)
+            if hidden is not None:
+                return hidden
         if is_first_pp_rank():
             hidden_states, residual = self.embed(input_ids), None
         else:
