@@ -21,6 +21,7 @@ from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.forward_context import set_forward_context
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import EngineArgs
+from tokenmill.kernels.cpu import build as cpu_build
 from tokenmill.kernels.cpu import decoder_step
 from tokenmill.model_loader import get_model
 from tokenmill.models import cpu_fused_decode
@@ -115,6 +116,11 @@ def _write_tiny_gguf(path: str, types: dict[str, str]) -> None:
     w.close()
 
 
+@pytest.fixture
+def lib(require_cpu_kernel):
+    return require_cpu_kernel(decoder_step.load, decoder_step._SOURCE)
+
+
 def _load(path: str, dtype: str = "float32"):
     cfg = EngineArgs(model=path, device="cpu", dtype=dtype).create_engine_config()
     return get_model(cfg.model_config, "cpu", dtype)
@@ -125,8 +131,7 @@ def _load(path: str, dtype: str = "float32"):
     {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
      "ffn_up": "Q4_0", "ffn_down": "Q4_1"},
 ], ids=["q4_1", "mixed"])
-def test_tiny_gguf_fused_decode_is_the_module_path(tmp_path, monkeypatch, types):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+def test_tiny_gguf_fused_decode_is_the_module_path(tmp_path, monkeypatch, types, lib):
     path = str(tmp_path / "tiny.gguf")
     _write_tiny_gguf(path, types)
     model = _load(path)
@@ -137,8 +142,26 @@ def test_tiny_gguf_fused_decode_is_the_module_path(tmp_path, monkeypatch, types)
         assert torch.equal(got, want)
 
 
-def test_tiny_gguf_two_tokens_and_bfloat16_keep_the_modules(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+def test_tiny_gguf_plain_c_fused_decode_is_the_module_path(plain_c_kernels, tmp_path, monkeypatch):
+    """Built without AVX-512 (x86-64-v3): the included kernels' plain-C loops, still the module path's bits."""
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(path, {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
+                            "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"})
+    model = _load(path)
+    token_ids = torch.randint(0, 320, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    fused, modules = _fused_vs_modules(model, token_ids, 3, monkeypatch)
+    for got, want in zip(fused, modules, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_build_hashes_the_included_kernel_sources():
+    """decoder_step.c includes the other kernels' sources: editing one of them must rebuild it."""
+    names = [p.name for p in cpu_build._local_sources(decoder_step._SOURCE)]
+    assert names == ["decoder_step.c", "elementwise.c", "gguf_matmul.c", "decode_attention.c"]
+    assert [p.name for p in cpu_build._local_sources(cpu_build.INCLUDE_DIR / "gguf_matmul.c")] == ["gguf_matmul.c"]
+
+
+def test_tiny_gguf_two_tokens_and_bfloat16_keep_the_modules(tmp_path, monkeypatch, lib):
     path = str(tmp_path / "tiny.gguf")
     _write_tiny_gguf(path, dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                           "ffn_down"), "Q4_1"))
@@ -156,7 +179,7 @@ def test_tiny_gguf_two_tokens_and_bfloat16_keep_the_modules(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_smollm2_q4_1_fused_decode(smollm2_gguf, monkeypatch):
+def test_smollm2_q4_1_fused_decode(smollm2_gguf, monkeypatch, lib):
     model = _load(smollm2_gguf)
     token_ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     fused, modules = _fused_vs_modules(model, token_ids, 16, monkeypatch)
