@@ -246,7 +246,9 @@ class DecoderModel(nn.Module):
     stage's `IntermediateTensors`, a non-last stage returns its own.
     `gemma_norm` makes the final norm Gemma's x * (1 + w); a family that
     scales its embeddings overrides `embed`. A float32 residual (layers built
-    with `fp32_residual`) meets the final norm through `add_norm`.
+    with `fp32_residual`) meets the final norm through `add_norm`. A one-token
+    CPU step of a float32 stack with GGUF-quantized weights runs as one C call
+    when `cpu_fused_decode.run` takes it (same bits; TOKENMILL_CPU_FUSED_DECODE=0 turns it off).
     """
 
     def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module], *, gemma_norm: bool = False) -> None:
