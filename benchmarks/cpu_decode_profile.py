@@ -56,7 +56,8 @@ def main() -> None:
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     # A margin of tokens: requests whose first decode rode along with later prefills end a step early.
-    params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps + args.cprofile_steps, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps + args.cprofile_steps, ignore_eos=True,
+                            temperature=0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(100, 30000, args.prompt_len).tolist()}, params)
     t0 = time.perf_counter()

@@ -101,8 +101,9 @@ def _write_tiny_gguf(path: str, types: dict[str, str]) -> None:
               "ffn_down": (hidden, inter)}
     w.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-    head = gguf.quants.quantize(0.1 * rng.standard_normal((vocab, hidden)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("output.weight", head, raw_shape=head.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    head = gguf.quants.quantize(0.1 * rng.standard_normal((vocab, hidden)).astype(np.float32), q8)
+    w.add_tensor("output.weight", head, raw_shape=head.shape, raw_dtype=q8)
     for i in range(layers):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))

@@ -51,10 +51,10 @@ static int linear1(const int64_t *lin, const float *x, int64_t k, float *out, in
 }
 
 /* hidden [H] float32: the token's embedding in, the final-normed hidden state out. scratch: at least
- * 3 hidden_size + 3 num_heads * D + 2 num_kv_heads * D + 3 intermediate floats (decoder_step.py sizes it). cos_cache / sin_cache [max_position, D/2]
- * float32; block_row: the request's block-table row (int32). Returns 0; -1 for a layout the kernels
- * refuse (a segment, a position outside the cache, G / head_dim over the attention kernel's limits);
- * -2 when a kernel could not allocate its buffer. */
+ * 3 hidden_size + 3 num_heads * D + 2 num_kv_heads * D + 3 intermediate floats (decoder_step.py sizes it).
+ * cos_cache / sin_cache [max_position, D/2] float32; block_row: the request's block-table row (int32).
+ * Returns 0; -1 for a layout the kernels refuse (a segment, a position outside the cache, G / head_dim over
+ * the attention kernel's limits); -2 when a kernel could not allocate its buffer. */
 int decoder_step(const int64_t *layers, int64_t n_layers, float *hidden, const float *final_norm, float *scratch,
                  const float *cos_cache, const float *sin_cache, int64_t max_position, const int64_t *position,
                  int64_t slot, int64_t seq_len, const int32_t *block_row, int64_t hidden_size, int64_t num_heads,
