@@ -4,13 +4,18 @@
 `LLMEngine` (SmolLM2-135M-Instruct by default, prefix caching off); the
 prefill steps run unprofiled (their total time is printed; it includes the
 first steps' warm-up), then `--steps` decode steps with the whole
-batch are timed one by one (wall clock), and `--profile-steps` more run
+batch are timed one by one (wall clock, and the engine thread's CPU time:
+at one thread the C kernels run in it, so it counts what the step itself
+costs, not the time it waited for a core), `--cprofile-steps` more run under
+cProfile (Python functions by own time), and `--profile-steps` more run
 under `torch.profiler`, whose self-CPU time per op and input shape is
 printed per step (the profiler inflates small ops; read it for shares, the
 timed steps for speed).
 
     PYTHONPATH=. python benchmarks/cpu_decode_profile.py --dtype bfloat16 --batch 64 --threads 2
     TOKENMILL_CPU_KERNELS=0 PYTHONPATH=. python benchmarks/cpu_decode_profile.py ...   # without the C kernels
+    PYTHONPATH=. python benchmarks/cpu_decode_profile.py --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32 \
+        --batch 1 --threads 1 --steps 200 --profile-steps 0 --cprofile-steps 50      # concurrency 1 on a GGUF
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="Timed decode steps.")
     p.add_argument("--profile-steps", type=int, default=16, help="Profiled decode steps (0: no table).")
     p.add_argument("--rows", type=int, default=30, help="Rows of the op table.")
+    p.add_argument("--cprofile-steps", type=int, default=0,
+                   help="Decode steps more under cProfile (0: none); prints its top functions by own time.")
     args = p.parse_args()
     os.environ["TOKENMILL_CPU_THREADS"] = str(args.threads)
 
@@ -49,7 +56,8 @@ def main() -> None:
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     # A margin of tokens: requests whose first decode rode along with later prefills end a step early.
-    params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=8 + args.steps + args.profile_steps + args.cprofile_steps, ignore_eos=True,
+                            temperature=0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(100, 30000, args.prompt_len).tolist()}, params)
     t0 = time.perf_counter()
@@ -63,17 +71,31 @@ def main() -> None:
             raise RuntimeError(f"the batch is no longer whole ({stats.num_running_reqs} running)")
         engine.step()
 
-    times = []
+    load = os.getloadavg()[0]
+    times, cpu_times = [], []
     for _ in range(args.steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         full_step()
+        cpu_times.append(time.thread_time() - c)
         times.append(time.perf_counter() - t)
-    ms = np.array(times) * 1e3
+    ms, cpu_ms = np.array(times) * 1e3, np.array(cpu_times) * 1e3
     print(f"{args.dtype}, batch {args.batch}, prompts of {args.prompt_len}, {torch.get_num_threads()} threads, "
           f"block size {args.block_size}: decode step median {np.median(ms):.1f} ms "
-          f"(p10 {np.percentile(ms, 10):.1f}, p90 {np.percentile(ms, 90):.1f}, {len(ms)} steps); "
-          f"prefill of {args.batch} x {args.prompt_len} tokens {prefill_s:.2f} s "
-          f"({args.batch * args.prompt_len / prefill_s:.0f} tok/s, the first of them warms up)")
+          f"(min {ms.min():.1f}, p10 {np.percentile(ms, 10):.1f}, p90 {np.percentile(ms, 90):.1f}, {len(ms)} steps; "
+          f"engine thread CPU time median {np.median(cpu_ms):.1f}, min {cpu_ms.min():.1f} ms); "
+          f"1-minute load {load:.2f} at the start; prefill of {args.batch} x {args.prompt_len} tokens "
+          f"{prefill_s:.2f} s ({args.batch * args.prompt_len / prefill_s:.0f} tok/s, the first of them warms up)")
+    if args.cprofile_steps:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.cprofile_steps):
+            full_step()
+        prof.disable()
+        print(f"cProfile over {args.cprofile_steps} steps (Python calls; C kernels count in their caller's tottime):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
     if args.profile_steps:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(args.profile_steps):

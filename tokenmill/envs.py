@@ -146,6 +146,13 @@ def cpu_gguf_kernels() -> bool:
     return get_bool("TOKENMILL_CPU_GGUF_KERNELS", True)
 
 
+def cpu_fused_decode() -> bool:
+    """TOKENMILL_CPU_FUSED_DECODE: on the CPU, run a one-token step of a Llama-style float32 model whose linear
+    weights are kept as GGUF blocks through its whole decoder stack in one C call
+    (`kernels/cpu/decoder_step.c`; default on); 0 keeps the module-by-module path."""
+    return get_bool("TOKENMILL_CPU_FUSED_DECODE", True)
+
+
 def cc() -> str:
     """CC: the C compiler for the CPU kernels (default `cc`, then gcc or clang when it is missing)."""
     return get_str("CC") or "cc"

@@ -44,6 +44,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
 )
 from tokenmill.layers.rotary import get_rope, rope_parameters_from_config
+from tokenmill.models import cpu_fused_decode
 from tokenmill.models.utils import PPMissingLayer, checkpoint_renamer, load_weights_with_mapping, make_layers
 
 
@@ -245,7 +246,9 @@ class DecoderModel(nn.Module):
     stage's `IntermediateTensors`, a non-last stage returns its own.
     `gemma_norm` makes the final norm Gemma's x * (1 + w); a family that
     scales its embeddings overrides `embed`. A float32 residual (layers built
-    with `fp32_residual`) meets the final norm through `add_norm`.
+    with `fp32_residual`) meets the final norm through `add_norm`. A one-token
+    CPU step of a float32 stack with GGUF-quantized weights runs as one C call
+    when `cpu_fused_decode.run` takes it (same bits; TOKENMILL_CPU_FUSED_DECODE=0 turns it off).
     """
 
     def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module], *, gemma_norm: bool = False) -> None:
@@ -265,6 +268,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None and input_ids.shape[0] == 1:
+            # one CPU decode token of a GGUF Llama-style stack: one C call (models/cpu_fused_decode.py)
+            hidden = cpu_fused_decode.run(self, input_ids, positions)
+            if hidden is not None:
+                return hidden
         if is_first_pp_rank():
             hidden_states, residual = self.embed(input_ids), None
         else:

@@ -5,7 +5,8 @@ compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)
 and `-O3 -march=native -fopenmp -ffp-contract=off` into
 `$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`), named
 by a hash of the source, the shared header `simd.h`, the flags, the
-compiler's version and this CPU's feature flags, so later processes load the
+compiler's version and this CPU's feature flags (a source that includes
+another kernel's .c file, as `decoder_step.c` does, is hashed with it), so later processes load the
 cached library at once (a build takes ~1-10 s). Builds go
 to a temporary file that is renamed into place, so processes that build at
 once never load a partial file. A cached library is loaded only when this
@@ -26,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,6 +46,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-sha
 
 # Headers the sources include (simd.h), found with -I here; hashed with every source.
 INCLUDE_DIR = Path(__file__).resolve().parent
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 # source path -> the loaded library, or None once a load failed or was turned off (tried once per process)
 _loaded: dict[Path, ctypes.CDLL | None] = {}
@@ -67,9 +71,21 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _local_sources(source: Path) -> list[Path]:
+    """`source` and the .c files of this folder it includes (`#include "x.c"`, recursively), in include order."""
+    seen = [source]
+    for path in seen:
+        for name in _INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")):
+            dep = INCLUDE_DIR / name
+            if name.endswith(".c") and dep.is_file() and dep not in seen:
+                seen.append(dep)
+    return seen
+
+
 def _build(source: Path, compiler: str) -> Path:
     """Compile (or find) the library of `source`; returns its path. Raises OSError / subprocess errors."""
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
+    text = b"".join(p.read_bytes() for p in _local_sources(source)) + b"".join(
+        h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     version = subprocess.run([compiler, "--version"], capture_output=True, encoding="utf-8", errors="replace",
                              check=False, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(),
