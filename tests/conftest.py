@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from gguf_reference import gguf_parsed_once
 from optional_deps import missing
 
 # Without a GPU the Triton kernel tests run in Triton's interpreter. TRITON_INTERPRET must be
@@ -56,14 +57,16 @@ def hf_smollm2(smollm2_gguf):
     """(model, tokenizer): transformers' float32 SmolLM2 built from the bundled GGUF, once per session.
 
     transformers dequantizes the GGUF itself (its own reference loader), so
-    it is an independent reference for our loader and model. ~30 s to build.
+    it is an independent reference for our loader and model. ~20 s to build
+    (the GGUF's metadata parsed once for both: `gguf_parsed_once`).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(smollm2_gguf)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval(), tokenizer
 
 

@@ -1,10 +1,11 @@
 """The offline `LLM` against HF transformers on the real SmolLM2-135M weights, float32.
 
 Eight prompts of different lengths (crossing the 16-token block boundary and
-the chunk size) run together, 32 greedy tokens each; transformers runs each
-prompt alone with its own greedy loop. A token may differ only where
-transformers' two best logits are within 1e-3 (a near tie that float
-summation order can flip); the comparison of that prompt stops there.
+the chunk size) run together, 32 greedy tokens each; transformers scores each
+prompt with those 32 tokens alone, teacher-forced (`hf_reference`: the same
+check as against its own greedy loop, in one forward per prompt). A token may
+differ only where transformers' two best logits are within 1e-3 (a near tie
+that float summation order can flip); the comparison of that prompt stops there.
 
 The same prompts run again with a token budget small enough to force
 chunked prefill and with a KV cache small enough to force preemption. The
@@ -68,26 +69,30 @@ def prompts(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_smollm2, prompts):
-    """Per prompt: (greedy token ids [32], gap between the two best logits at each position [32])."""
-    from transformers import DynamicCache
+def hf_reference(hf_smollm2):
+    """reference(prompts, completions) -> per prompt: (transformers' greedy token after prompt + completion[:j],
+    the gap between its two best logits there), for j < 32.
 
+    Teacher-forced, one forward over prompt + completion[:-1] per prompt (alone: no padding). Until the first
+    j where transformers' choice differs from completion[j], completion[:j] IS its own greedy output, so the
+    check is the same as against its greedy loop, at one forward per prompt instead of one per token.
+    Cached per (prompt, completion): the three parity runs usually generate the same tokens.
+    """
     model, _ = hf_smollm2
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            cache = DynamicCache(config=model.config)  # filled in place by each forward
-            out = model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
-            tokens, gaps = [], []
-            for _ in range(NUM_TOKENS):
-                logits = out.logits[0, -1].float()
-                top2 = torch.topk(logits, 2).values
-                tok = int(torch.argmax(logits))
-                tokens.append(tok)
-                gaps.append(float(top2[0] - top2[1]))
-                out = model(torch.tensor([[tok]]), cache=cache, use_cache=True)
-            refs.append((tokens, gaps))
-    return refs
+    cache: dict[tuple, tuple[list[int], list[float]]] = {}
+
+    def reference(prompts: list[list[int]], completions: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        for ids, completion in zip(prompts, completions):
+            key = (tuple(ids), tuple(completion))
+            if key not in cache:
+                with torch.inference_mode():
+                    logits = model(torch.tensor([ids + completion[:-1]]),
+                                   logits_to_keep=len(completion)).logits[0].float()  # [32, vocab]
+                top2 = torch.topk(logits, 2, dim=-1).values
+                cache[key] = (logits.argmax(-1).tolist(), (top2[:, 0] - top2[:, 1]).tolist())
+        return [cache[(tuple(ids), tuple(c))] for ids, c in zip(prompts, completions)]
+
+    return reference
 
 
 def _use_scheduler(llm: LLM, num_blocks: int | None = None, **sched_overrides) -> Scheduler:
@@ -103,9 +108,10 @@ def _assert_parity(llm: LLM, prompts: list[list[int]], hf_reference) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
-    for i, (out, (ref_tokens, gaps)) in enumerate(zip(outputs, hf_reference)):
-        ours = out.outputs[0].token_ids
+    completions = [list(o.outputs[0].token_ids) for o in outputs]
+    for i, ours in enumerate(completions):
         assert len(ours) == NUM_TOKENS, f"prompt {i}: {len(ours)} tokens"
+    for i, (ours, (ref_tokens, gaps)) in enumerate(zip(completions, hf_reference(prompts, completions))):
         for pos, (a, b) in enumerate(zip(ours, ref_tokens)):
             if a != b:
                 assert gaps[pos] < TIE_TOL, (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,38 @@ def test_cache_config_info_shows_the_kv_cache_dtype():
               "gpu_memory_utilization": "0.9"}
     assert _value(m, "tokenmill:cache_config_info", **labels) == 1 == _value(m, "vllm:cache_config_info", **labels)
     assert b"cache_config_info" not in ServerMetrics("m").render()
+
+
+class _GraceEngine:
+    """Counts in-flight requests and records abort_all's reason (for `_abort_after_grace`)."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.num_requests_in_flight = in_flight
+        self.reasons: list[str] = []
+
+    def abort_all(self, reason: str) -> int:
+        self.reasons.append(reason)
+        left, self.num_requests_in_flight = self.num_requests_in_flight, 0
+        return left
+
+
+def test_grace_runs_out_or_a_second_signal_ends_it_and_what_is_left_is_aborted():
+    from tokenmill.entrypoints.openai.api_server import _abort_after_grace, _graceful_server
+
+    # The grace period runs out (0 s here) with a request still in flight: it is aborted, saying why.
+    engine = _GraceEngine(in_flight=1)
+    asyncio.run(_abort_after_grace(SimpleNamespace(should_exit=True), engine, 0))
+    assert engine.reasons == ["The server is shutting down; the request was aborted after the 0 s grace period "
+                              "(--shutdown-timeout)."]
+    # A second stop signal ends a long grace period at once.
+    import uvicorn
+
+    server = _graceful_server(uvicorn.Config(app=None))
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.grace_cut_short
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.grace_cut_short
+    engine = _GraceEngine(in_flight=2)
+    asyncio.run(asyncio.wait_for(_abort_after_grace(server, engine, 3600), timeout=600))
+    assert engine.reasons == ["The server is shutting down; the request was aborted: a second stop signal ended "
+                              "the grace period (--shutdown-timeout)."]

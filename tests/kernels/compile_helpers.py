@@ -27,6 +27,41 @@ def compile_in_subprocess(script: str, timeout: int = 600) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Runs each script of a JSON list {key: script} (stdin) in its own namespace, stdout captured; prints
+# {key: [True, its last stdout line's JSON] or [False, its traceback]}.
+_BATCH_RUNNER = """
+import contextlib, io, json, sys, traceback
+out = {}
+for key, script in json.load(sys.stdin).items():
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(script, key, "exec"), {"__name__": "__compile_script__"})
+        out[key] = [True, json.loads(buf.getvalue().strip().splitlines()[-1])]
+    except BaseException:
+        out[key] = [False, traceback.format_exc()[-3000:]]
+print(json.dumps(out))
+"""
+
+
+def compile_batch_in_subprocess(scripts: dict[str, str], timeout: int = 900) -> dict[str, list]:
+    """Run several `compile_in_subprocess` scripts in ONE fresh Python (one interpreter, torch and triton
+    start-up instead of one per script), each in its own namespace.
+
+    Returns: key -> [True, the JSON its last stdout line prints] or [False, its traceback's tail], so that one
+    script's failure fails only the test that asserts on it.
+
+    Raises:
+        AssertionError: the runner itself failed (the tail of its stderr is the message).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _BATCH_RUNNER], env=env, check=False, capture_output=True,
+                          text=True, timeout=timeout, input=json.dumps(scripts))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], constexprs: dict, warps: int,
                        stages: int, ptx_marker: str | None = None, aligned: tuple[str, ...] = ()) -> dict:
     """Compile `kernel` for sm_<cc> (arguments not in `pointers` / `constexprs` are i32) and run the triton

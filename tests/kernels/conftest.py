@@ -7,6 +7,7 @@ this conftest sets it before anything imports the kernels.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -35,3 +36,28 @@ def _patch_interpreter_scalar_index() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_scalar_index()
+
+
+@pytest.fixture(scope="session")
+def compiled_kernels(request):
+    """compiled_kernels(__name__) -> the JSON list printed by that test module's SCRIPT, compiled for explicit GPU
+    targets (compile_helpers.compile_with_ptxas) without a GPU.
+
+    The SCRIPTs of every selected test module that uses this fixture run once, together, in one subprocess
+    (compile_helpers.compile_batch_in_subprocess): one Python, torch and triton start-up for all of them. A
+    failed script fails only the tests of its module, with its traceback.
+    """
+    from compile_helpers import compile_batch_in_subprocess
+    from optional_deps import require
+
+    require("triton")
+    scripts = {item.module.__name__: item.module.SCRIPT for item in request.session.items
+               if "compiled_kernels" in getattr(item, "fixturenames", ())}
+    results = compile_batch_in_subprocess(scripts)
+
+    def get(module_name: str) -> list[dict]:
+        ok, value = results[module_name]
+        assert ok, value
+        return value
+
+    return get

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import textwrap
 
-from compile_helpers import compile_in_subprocess
-from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
@@ -44,9 +42,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_moe_kernels_compile_without_spills():
-    require("triton")
-    results = compile_in_subprocess(SCRIPT, timeout=300)
+def test_moe_kernels_compile_without_spills(compiled_kernels):
+    results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     assert [r["kernel"] for r in results] == ["align_count", "align_scatter_fused", "topk_softmax", "moe_sum",
                                               "grouped_gemm_decode_w13"]
     for r in results:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from compile_helpers import compile_in_subprocess
-from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
@@ -97,9 +95,8 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu():
-    require("triton")
-    results = compile_in_subprocess(SCRIPT)
+def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
+    results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),

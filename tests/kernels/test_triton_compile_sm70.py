@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import textwrap
 
-from compile_helpers import compile_in_subprocess
-from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
@@ -122,9 +120,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_kernels_compile_for_sm70_and_sm90_without_a_gpu():
-    require("triton")
-    results = compile_in_subprocess(SCRIPT, timeout=300)
+def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
+    results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     elementwise = ["rms_norm_add_d4096", "rms_norm_gemma_heads_d128", "rotary_neox_d128", "rotary_gptj_partial_d80",
                    "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [

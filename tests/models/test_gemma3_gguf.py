@@ -23,6 +23,7 @@ import shutil
 import pytest
 import torch
 from family_utils import compare_greedy, hf_teacher_forced
+from gguf_reference import gguf_parsed_once
 
 from tokenmill import LLM, SamplingParams
 
@@ -70,7 +71,8 @@ def _reference_dir(gguf: str, config) -> str:
         return folder
     with torch.device("meta"):  # only its parameter names are read: no 1 GB random init
         skeleton = Gemma3ForCausalLM(config)
-    state = load_gguf_checkpoint(gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
+    with gguf_parsed_once():  # each tensor-name map built once, not per tensor
+        state = load_gguf_checkpoint(gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
     tmp = f"{folder}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     config.save_pretrained(tmp)

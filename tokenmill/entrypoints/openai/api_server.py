@@ -271,6 +271,9 @@ def add_server_cli_args(group: Any) -> None:
 def _graceful_server(config: Any) -> Any:
     """A uvicorn.Server whose SIGTERM/SIGINT ends `serve()` normally (exit code 0).
 
+    A second signal during the grace period ends the grace at once: what is
+    still in flight is aborted (`_abort_after_grace`), as when it runs out.
+
     uvicorn re-raises a caught signal after its graceful stop, which would kill
     the process by SIGTERM's default action before the engine is shut down.
     """
@@ -279,6 +282,14 @@ def _graceful_server(config: Any) -> Any:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        # Set by a second SIGTERM/SIGINT: `_abort_after_grace` ends the grace period at once.
+        grace_cut_short = False
+
+        def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
+            if self.should_exit:
+                self.grace_cut_short = True
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
             with super().capture_signals():
@@ -403,16 +414,20 @@ async def _log_when_bound(server: Any, name: str, opts: HTTPOptions, keyed: bool
 async def _abort_after_grace(server: Any, engine: Any, grace_s: float) -> None:
     """Once the server is stopping, give in-flight requests `grace_s` seconds, then abort the rest.
 
+    A second stop signal (`server.grace_cut_short`) ends the grace early.
     Aborted requests end cleanly (a 503 body, or an error event then [DONE] in
     a stream), so uvicorn's own, later timeout never has to cancel a handler.
     """
     while not server.should_exit:
         await asyncio.sleep(0.1)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and engine.num_requests_in_flight:
+    while (time.monotonic() < deadline and engine.num_requests_in_flight
+           and not getattr(server, "grace_cut_short", False)):
         await asyncio.sleep(0.1)
-    left = engine.abort_all(f"The server is shutting down; the request was aborted after the {grace_s:g} s grace "
-                            "period (--shutdown-timeout).")
+    cut_short = getattr(server, "grace_cut_short", False) and time.monotonic() < deadline
+    why = ": a second stop signal ended the" if cut_short else f" after the {grace_s:g} s"
+    left = engine.abort_all(f"The server is shutting down; the request was aborted{why} grace period "
+                            "(--shutdown-timeout).")
     if left:
         logger.info("shutdown: aborted %d request(s) still running after %g s", left, grace_s)
 
