@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import textwrap
 
-from compile_helpers import compile_in_subprocess
-from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
@@ -106,9 +104,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu():
-    require("triton")
-    results = compile_in_subprocess(SCRIPT)
+def test_fp8_kernels_compile_for_sm70_sm89_sm90_without_a_gpu(compiled_kernels):
+    results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     per_cc = ["w8a8_block", "w8a8_channel_splitk", "quantize_group128", "quantize_token"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("w8a16_fma_block", 70), ("w8a16_dot_channel", 70), ("splitk_reduce", 70), ("dequantize_block", 70),

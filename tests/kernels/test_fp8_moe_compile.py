@@ -14,8 +14,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from compile_helpers import compile_in_subprocess
-from optional_deps import require
 
 SCRIPT = textwrap.dedent(
     """
@@ -76,9 +74,8 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_fp8_moe_kernel_compiles_for_sm70_sm89_and_sm90():
-    require("triton")
-    results = compile_in_subprocess(SCRIPT)
+def test_fp8_moe_kernel_compiles_for_sm70_sm89_and_sm90(compiled_kernels):
+    results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("cc70_gate_up_m16", 70), ("cc70_down_m32", 70), ("cc90_m16", 90), ("cc90_m32", 90), ("cc90_m64", 90),
         ("cc89_w8a8_m64", 89),
