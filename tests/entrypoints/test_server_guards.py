@@ -198,3 +198,20 @@ def test_grace_runs_out_or_a_second_signal_ends_it_and_what_is_left_is_aborted()
     asyncio.run(asyncio.wait_for(_abort_after_grace(server, engine, 3600), timeout=600))
     assert engine.reasons == ["The server is shutting down; the request was aborted: a second stop signal ended "
                               "the grace period (--shutdown-timeout)."]
+
+
+def test_second_sigint_ends_the_grace_without_uvicorns_force_exit():
+    """uvicorn turns a second SIGINT into force_exit, which stops waiting for connections: serve() would return
+    before the streams aborted by the cut-short grace have written their error event and [DONE]. The second
+    SIGINT only ends the grace; a third one is uvicorn's force quit."""
+    import uvicorn
+
+    from tokenmill.entrypoints.openai.api_server import _graceful_server
+
+    server = _graceful_server(uvicorn.Config(app=None))
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and not server.grace_cut_short and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.grace_cut_short and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit

@@ -273,6 +273,7 @@ def _graceful_server(config: Any) -> Any:
 
     A second signal during the grace period ends the grace at once: what is
     still in flight is aborted (`_abort_after_grace`), as when it runs out.
+    A third SIGINT is uvicorn's force quit (aborted streams may be cut off).
 
     uvicorn re-raises a caught signal after its graceful stop, which would kill
     the process by SIGTERM's default action before the engine is shut down.
@@ -286,8 +287,13 @@ def _graceful_server(config: Any) -> Any:
         grace_cut_short = False
 
         def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
-            if self.should_exit:
+            """First SIGTERM/SIGINT: stop (uvicorn's own). Second: end the grace period only. A later SIGINT is
+            uvicorn's force quit, which stops waiting for connections, so aborted streams may be cut off."""
+            if self.should_exit and not self.grace_cut_short:
+                # Not passed on: uvicorn turns a second SIGINT into force_exit, and serve() would then return
+                # before the aborted requests have written their 503 / error event and [DONE].
                 self.grace_cut_short = True
+                return
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -429,7 +435,8 @@ async def _abort_after_grace(server: Any, engine: Any, grace_s: float) -> None:
     left = engine.abort_all(f"The server is shutting down; the request was aborted{why} grace period "
                             "(--shutdown-timeout).")
     if left:
-        logger.info("shutdown: aborted %d request(s) still running after %g s", left, grace_s)
+        logger.info("shutdown: aborted %d request(s) still running %s", left,
+                    "on a second stop signal" if cut_short else f"after {grace_s:g} s")
 
 
 if __name__ == "__main__":
