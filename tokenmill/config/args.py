@@ -148,7 +148,8 @@ class EngineArgs:
                             f"({', '.join(VLLM_ATTENTION_BACKENDS)}) map to this device's best one.")
         g.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
-                       help="Decode steps whose longest sequence is above this run eagerly, not in a CUDA graph.")
+                       help="Steps (decode or mixed) whose longest sequence is above this run eagerly, not in a "
+                            "CUDA graph.")
         g = parser.add_argument_group("parallel")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

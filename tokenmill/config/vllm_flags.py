@@ -117,8 +117,8 @@ FLAGS: tuple[FlagInfo, ...] = (
        "and TORCH_SDPA_VLLM_V1 map to this device's best backend, with a log line.",
        ("--attention-backend", "FLASH_ATTN")),
     _i("--enforce-eager", "No CUDA graphs.", ("--enforce-eager",)),
-    _i("--max-seq-len-to-capture", "Decode steps whose longest sequence is above this run eagerly instead of "
-       "in a CUDA graph (default 8192, as vLLM).", ("--max-seq-len-to-capture", "1024")),
+    _i("--max-seq-len-to-capture", "Steps (decode or mixed) whose longest sequence is above this run eagerly "
+       "instead of in a CUDA graph (default 8192, as vLLM).", ("--max-seq-len-to-capture", "1024")),
     # --- parallel ---
     _i("--tensor-parallel-size", "Tensor-parallel ranks (-tp).", ("--tensor-parallel-size", "3")),
     _i("--pipeline-parallel-size", "Pipeline stages (-pp).", ("--pipeline-parallel-size", "2")),

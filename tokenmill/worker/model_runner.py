@@ -227,7 +227,8 @@ class ModelRunner:
 
     @property
     def graph_max_seq_len(self) -> int:
-        """The longest sequence a decode step may have to replay a CUDA graph (vLLM's max_seq_len_to_capture)."""
+        """The longest sequence a step (decode or mixed) may have to replay a CUDA graph (vLLM's
+        max_seq_len_to_capture)."""
         return min(self.max_model_len, self.config.device_config.max_seq_len_to_capture)
 
     def _use_cuda_graphs(self) -> bool:
