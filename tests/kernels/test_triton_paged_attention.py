@@ -164,16 +164,20 @@ def test_rejects_bad_head_ratio():
         _run(batch, scale=1.0)
 
 
-def test_mixed_cuda_graph_metadata_gives_the_same_rows():
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_mixed_cuda_graph_metadata_gives_the_same_rows(gpt_oss):
     """The kernel under a mixed CUDA graph's metadata (worker/cuda_graph.py: R requests, the extra ones empty,
     the tokens past the live ones the kernel's padding request, stale block-table rows) gives the live rows
     exactly what the step's own metadata gives, and zeros for the padding rows; unused cache slots hold NaN, so
-    a read of one would show."""
+    a read of one would show. gpt_oss: a sliding-window layer with sinks (the padding rows must stay 0 although
+    the sink joins every row's denominator)."""
     gen = torch.Generator().manual_seed(3)
     batch = make_paged_batch([0, 5, 20, 33], [7, 1, 3, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                              dtype=torch.float32, generator=gen)
     t, r, size = 12, 7, 16
     kw = {"scale": 0.25}
+    if gpt_oss:
+        kw.update(sliding_window=6, sinks=torch.randn(4, generator=gen))
     ref = paged_attention(batch.query[:t], batch.kv_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                           num_reqs=4, max_query_len=7, **kw)
     query = torch.cat([batch.query[:t], torch.randn(size - t, 4, 16, generator=gen)])
