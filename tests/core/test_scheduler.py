@@ -299,6 +299,8 @@ def test_config_and_request_errors(make_scheduler, make_request):
         make_scheduler(max_num_batched_tokens=32, max_model_len=64, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="scheduling policy"):
         make_scheduler(policy="lifo")
+    with pytest.raises(ValueError, match="only with chunked prefill"):
+        make_scheduler(max_model_len=64, enable_chunked_prefill=False, long_prefill_token_threshold=16)
     s = make_scheduler(max_model_len=32)
     s.add_request(make_request("a", 10))
     with pytest.raises(ValueError, match="already in use"):

@@ -96,6 +96,10 @@ class Scheduler:
                 f"least max_model_len ({cfg.max_model_len}), or long prompts could never run; raise "
                 "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill."
             )
+        if cfg.long_prefill_token_threshold < 0 or (cfg.long_prefill_token_threshold
+                                                     and not cfg.enable_chunked_prefill):
+            raise ValueError(f"long_prefill_token_threshold ({cfg.long_prefill_token_threshold}) must be >= 0, "
+                             "and > 0 only with chunked prefill (it splits prompts over steps).")
         self.scheduler_config = cfg
         self.cache_config = cache_config
         self.max_num_seqs = cfg.max_num_seqs
