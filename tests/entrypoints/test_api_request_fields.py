@@ -138,6 +138,16 @@ def test_bad_values_are_400_naming_the_field(call, path, body, words):
         assert w in msg, msg
 
 
+def test_unsupported_field_error_is_the_validators_sentence_with_its_param(call):
+    """A field a validator refuses: the body's `param` names it and the message is the validator's own sentence
+    (no pydantic "Value error, " prefix, no doubled period)."""
+    status, raw = call("POST", C, {"prompt": "ab", "use_beam_search": True})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "use_beam_search"
+    assert error["message"].startswith("The field `use_beam_search` is not supported: ")
+    assert "Value error" not in error["message"] and not error["message"].endswith("..")
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(call):
     _ok(call, C, {"prompt": "ab", "max_tokens": 1, "use_beam_search": False, "length_penalty": 1.0,
                   "kv_transfer_params": None, "vllm_xargs": {}})

@@ -67,6 +67,7 @@ def test_context_length_message(proc):
         proc.process("r", [1] * 60, SamplingParams(max_tokens=10))
     assert str(e.value).startswith("This model's maximum context length is 64 tokens. However, you requested "
                                    "70 tokens (60 in the messages, 10 in the completion).")
+    assert e.value.param == "max_tokens"  # the HTTP error body's `param`
     assert proc.process("r", [1] * 60, SamplingParams(max_tokens=4)).sampling_params.max_tokens == 4
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.sample.bad_words import tokenize_bad_words
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import InvalidFieldError, SamplingParams
 from tokenmill.structured_output.spec import validate_structured_outputs
 
 if TYPE_CHECKING:
@@ -178,9 +178,10 @@ class InputProcessor:
                              f"prompt is {n} tokens, which leaves no room for the completion. Please reduce the "
                              "length of the prompt (or raise --max-model-len if the model allows it).")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} "
-                             "in the completion). Please reduce the length of the messages or completion.")
+            raise InvalidFieldError("max_tokens", f"This model's maximum context length is {self.max_model_len} "
+                                    f"tokens. However, you requested {n + params.max_tokens} tokens ({n} in the "
+                                    f"messages, {params.max_tokens} in the completion). Please reduce the length of "
+                                    "the messages or completion.")
         max_logprobs = getattr(self.model_config, "max_logprobs", 20)
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"Requested {params.logprobs} logprobs, but at most {max_logprobs} are allowed; "

@@ -81,9 +81,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"The request body is not valid JSON: {first.get('msg', '')}.", None
     msg = first.get("msg", "invalid value")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ValueError) and first.get("type") == "value_error":
+        # A validator's own sentence (pydantic prefixes "Value error, "): shown as written, naming its field.
+        return str(cause), getattr(cause, "param", None) or param
     where = f" in `{param}`" if param else ""
     extra = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"Invalid request{where}: {msg}{extra}.", param
+    return f"Invalid request{where}: {msg.rstrip('.')}{extra}.", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

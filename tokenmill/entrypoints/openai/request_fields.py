@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tokenmill.sampling_params import InvalidFieldError
+
 logger = logging.getLogger(__name__)
 
 # field -> (neutral values, why it cannot be honoured)
@@ -62,8 +64,8 @@ def check_undeclared_fields(body: Any, declared: set[str], endpoint: str) -> Non
         endpoint: for the log line, e.g. "/v1/completions".
 
     Raises:
-        ValueError: a field of `UNSUPPORTED` has a non-neutral value; the
-            message names the field and says why.
+        InvalidFieldError: a field of `UNSUPPORTED` has a non-neutral value; the
+            message names the field and says why, `param` is the field.
     """
     if not isinstance(body, dict):
         return
@@ -74,7 +76,7 @@ def check_undeclared_fields(body: Any, declared: set[str], endpoint: str) -> Non
             neutral, why = UNSUPPORTED[name]
             if value is None or any(value == v and type(value) is type(v) for v in neutral):
                 continue
-            raise ValueError(f"The field `{name}` is not supported: {why}. Remove it from the request.")
+            raise InvalidFieldError(name, f"The field `{name}` is not supported: {why}. Remove it from the request.")
         key = f"{endpoint}:{name}"
         if key in _logged:
             continue
