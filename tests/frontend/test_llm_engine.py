@@ -58,13 +58,14 @@ class ScriptedExecutor(Executor):
 
 
 def _engine_config(gguf: str, max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8, block_size=16,
-                   num_gpu_blocks_override=None) -> EngineConfig:
+                   num_gpu_blocks_override=None, kv_cache_memory_bytes=None) -> EngineConfig:
     hf = SimpleNamespace(vocab_size=49152, eos_token_id=2, num_attention_heads=9, num_key_value_heads=3,
                          hidden_size=576, num_hidden_layers=30)
     mc = ModelConfig(model=gguf, model_path=gguf, gguf_file=gguf, tokenizer=gguf, skip_tokenizer_init=False,
                      load_format="gguf", dtype="float32", seed=0, max_model_len=max_model_len,
                      architecture="LlamaForCausalLM", hf_config=hf)
-    return EngineConfig(mc, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override),
+    return EngineConfig(mc, CacheConfig(block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override,
+                                        kv_cache_memory_bytes=kv_cache_memory_bytes),
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
                         ParallelConfig(), DeviceConfig())
 
@@ -139,3 +140,20 @@ def test_check_kv_cache_fits_boundary():
     check_max_model_len_fits(4, 16, 64)
     with pytest.raises(ValueError):
         check_max_model_len_fits(3, 16, 64)
+
+
+def test_kv_cache_memory_bytes_too_small_fails_before_the_model_loads(smollm2_gguf):
+    """An explicit --kv-cache-memory-bytes that cannot hold one block, or one max_model_len sequence, fails
+    before the executor (which loads the model) is made, with the same message as after loading."""
+
+    class NeverBuilt:
+        def __init__(self, cfg):
+            raise AssertionError("the executor was made: the model would have loaded first")
+
+    with pytest.raises(ValueError, match="smaller than one KV block of this model"):
+        EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=1024),
+                   executor_class=NeverBuilt)
+    # 30 layers * 2 * 16 tokens * 3 heads * 64 * 4 B = 737280 B per block: 5 blocks hold 80 tokens.
+    with pytest.raises(ValueError, match="largest max_model_len that fits is 80; pass --max-model-len 80"):
+        EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=5 * 737280 + 100),
+                   executor_class=NeverBuilt)

@@ -62,6 +62,30 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
     return kv_bytes_per_block(num_layers, engine_config.cache_config.block_size, num_kv_heads, head_dim, kv_dtype)
 
 
+def _check_kv_bytes_before_loading(engine_config: EngineConfig) -> None:
+    """An explicit --kv-cache-memory-bytes too small for one max_model_len sequence fails here, before the
+    model loads, with the message the workers would give after loading.
+
+    The busiest worker holds at least 1 / (tensor x pipeline parallel size) of a block (its share of the KV heads
+    and layers), so the blocks counted here are at least as many as the engine gets: the check never refuses
+    what would run.
+
+    Raises:
+        ValueError: naming the largest max_model_len that fits and the flags that help.
+    """
+    from tokenmill.worker.kv_cache import check_max_model_len_fits
+
+    cache, sched = engine_config.cache_config, engine_config.scheduler_config
+    per_block = kv_cache_bytes_per_block(engine_config) / max(engine_config.parallel_config.world_size, 1)
+    num_blocks = int(cache.kv_cache_memory_bytes // per_block)
+    hint = kv_memory_hint(cache, engine_config.device_config.device)
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-memory-bytes {cache.kv_cache_memory_bytes} is smaller than one KV block of this "
+                         f"model ({per_block / 2**20:.2f} MiB); raise it.")
+    check_max_model_len_fits(num_blocks, cache.block_size, sched.max_model_len, hint, cache.sliding_window_group,
+                             sched.max_num_batched_tokens)
+
+
 def _executor_class(engine_config: EngineConfig) -> type[Executor]:
     from tokenmill.executor import get_executor_class
 
@@ -84,6 +108,8 @@ class EngineCore:
         self.engine_config = engine_config
         cache = engine_config.cache_config
         sched_cfg = engine_config.scheduler_config
+        if cache.kv_cache_memory_bytes is not None and cache.num_gpu_blocks_override is None:
+            _check_kv_bytes_before_loading(engine_config)
         self.executor = (executor_class or _executor_class(engine_config))(engine_config)
         num_blocks = int(cache.num_gpu_blocks_override or self.executor.determine_num_available_blocks())
         if num_blocks <= 0:
