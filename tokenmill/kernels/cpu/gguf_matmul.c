@@ -170,95 +170,6 @@ static inline __m512 cvt16(__m128i bytes, int is_signed) {
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 }
 
-/* Chunk c of a row as two 16-lane vectors (weights 0-15 in *w0, 16-31 in *w1); same roundings as chunk_scalar. */
-static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0, __m512 *w1) {
-    const __m512i low4 = _mm512_set1_epi32(15);
-    switch (type) {
-    case Q4_0: {
-        const uint8_t *b = row + c * 18;
-        const __m512 d = _mm512_set1_ps(h2f(b));
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
-        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low4), eight)));
-        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
-        break;
-    }
-    case Q4_1: {
-        const uint8_t *b = row + c * 20;
-        const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
-        *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), m);
-        *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
-        break;
-    }
-    case Q5_0:
-    case Q5_1: {
-        const int one = type == Q5_1;
-        const uint8_t *b = row + c * (one ? 24 : 22);
-        const __m512 d = _mm512_set1_ps(h2f(b));
-        uint32_t qh;
-        memcpy(&qh, b + 2 + 2 * one, 4);
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6 + 2 * one)));
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        /* the fifth bit of weight j is bit j of qh: lanes of the mask get 16 added */
-        const __m512i q0 = _mm512_mask_add_epi32(_mm512_and_si512(q, low4), (__mmask16)(qh & 0xffffu),
-                                                 _mm512_and_si512(q, low4), sixteen);
-        const __m512i q1 = _mm512_mask_add_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16),
-                                                 _mm512_srli_epi32(q, 4), sixteen);
-        if (one) {
-            const __m512 m = _mm512_set1_ps(h2f(b + 2));
-            *w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), m);
-            *w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)), m);
-        } else {
-            *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)));
-            *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)));
-        }
-        break;
-    }
-    case Q8_0: {
-        const uint8_t *b = row + c * 34;
-        const __m512 d = _mm512_set1_ps(h2f(b));
-        *w0 = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(b + 2)), 1));
-        *w1 = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(b + 18)), 1));
-        break;
-    }
-    case Q4_K: {
-        const uint8_t *b = row + (c / 8) * 144;
-        const int i = (int)(c % 8);
-        int sc, mn;
-        q4k_scale_min(b + 4, i, &sc, &mn);
-        const __m512 dsc = _mm512_set1_ps(h2f(b) * (float)sc), dm = _mm512_set1_ps(h2f(b + 2) * (float)mn);
-        const uint8_t *qs = b + 16 + 32 * (i / 2);
-        const __m128i sh = _mm_cvtsi32_si128(4 * (i % 2));
-        const __m512i q0 = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), sh), low4);
-        const __m512i q1 = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))), sh), low4);
-        *w0 = _mm512_sub_ps(_mm512_mul_ps(dsc, _mm512_cvtepi32_ps(q0)), dm);
-        *w1 = _mm512_sub_ps(_mm512_mul_ps(dsc, _mm512_cvtepi32_ps(q1)), dm);
-        break;
-    }
-    case Q6_K: {
-        const uint8_t *b = row + (c / 8) * 210;
-        const int i = (int)(c % 8), n = i / 4, k = i % 4;
-        const uint8_t *ql = b + 64 * n + 32 * (k % 2), *qh = b + 128 + 32 * n;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = h2f(b + 208);
-        const __m128i shl = _mm_cvtsi32_si128(4 * (k / 2)), shh = _mm_cvtsi32_si128(2 * k);
-        const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
-        __m512 w[2];
-        for (int half = 0; half < 2; half++) {
-            const __m512i lo = _mm512_and_si512(
-                _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * half))), shl), low4);
-            const __m512i hi = _mm512_and_si512(
-                _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * half))), shh), three);
-            const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), off);
-            w[half] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[2 * i + half]), _mm512_cvtepi32_ps(q));
-        }
-        *w0 = w[0];
-        *w1 = w[1];
-        break;
-    }
-    }
-}
-
 /* Types whose 32-weight chunk is one scale and one offset: w[j] = d * q[j] + m with integer-valued q[j]
  * (Q4_0: q = nib - 8, m = 0; Q4_1: q = nib, m; Q5_0: q = nib + 16 hb - 16, m = 0; Q5_1: q = nib + 16 hb, m;
  * Q8_0: q = qs, m = 0; Q4_K: q = nibble, d = d * sc, m = -dmin * mn). Q6_K has two scales per chunk. */
@@ -328,6 +239,43 @@ static inline void chunk_qvec(int type, const uint8_t *row, int64_t c, __m512 *q
         *d = 0.f;
         break;
     }
+}
+
+/* Chunk c of a row as two 16-lane vectors (weights 0-15 in *w0, 16-31 in *w1); same roundings as chunk_scalar:
+ * d * q (+ m) from `chunk_qvec` for the one-scale types, Q6_K's two scales here. */
+static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0, __m512 *w1) {
+    if (FACTORED(type)) {
+        __m512 q0, q1;
+        float d, m;
+        chunk_qvec(type, row, c, &q0, &q1, &d, &m);
+        const __m512 vd = _mm512_set1_ps(d);
+        *w0 = _mm512_mul_ps(vd, q0);
+        *w1 = _mm512_mul_ps(vd, q1);
+        if (HAS_OFFSET(type)) {
+            const __m512 vm = _mm512_set1_ps(m);
+            *w0 = _mm512_add_ps(*w0, vm);
+            *w1 = _mm512_add_ps(*w1, vm);
+        }
+        return;
+    }
+    const uint8_t *b = row + (c / 8) * 210; /* Q6_K */
+    const int i = (int)(c % 8), n = i / 4, k = i % 4;
+    const uint8_t *ql = b + 64 * n + 32 * (k % 2), *qh = b + 128 + 32 * n;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = h2f(b + 208);
+    const __m128i shl = _mm_cvtsi32_si128(4 * (k / 2)), shh = _mm_cvtsi32_si128(2 * k);
+    const __m512i low4 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+    __m512 w[2];
+    for (int half = 0; half < 2; half++) {
+        const __m512i lo = _mm512_and_si512(
+            _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * half))), shl), low4);
+        const __m512i hi = _mm512_and_si512(
+            _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * half))), shh), three);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), off);
+        w[half] = _mm512_mul_ps(_mm512_set1_ps(d * (float)scales[2 * i + half]), _mm512_cvtepi32_ps(q));
+    }
+    *w0 = w[0];
+    *w1 = w[1];
 }
 #endif
 
