@@ -101,4 +101,16 @@ def test_pad_mixed_inputs_makes_empty_requests_and_padding_tokens():
     # A graph of fewer tokens than block-table rows is captured for one request per token.
     small = _mixed_runner(n_tok=64, n_req=40)[0]
     assert small.mixed_reqs(16) == 16 and small.mixed_reqs(64) == 40 and small.metadata_mixed(16).num_reqs == 16
+    # With a sliding-window KV group (gpt-oss) its metadata is the graph's with the group's table rows and slots.
+    assert runner.metadata_swa(md) is None
+    bufs["slot_mapping_swa"] = torch.arange(64, dtype=torch.int64)
+    runner.block_table_swa = torch.ones(6, 4, dtype=torch.int32)
+    runner.pad_mixed_inputs(3, 11, 16)
+    assert bufs["slot_mapping_swa"][11:16].tolist() == [-1] * 5
+    for graph_md in (runner.metadata_mixed(16), runner.metadata(4)):
+        swa = runner.metadata_swa(graph_md)
+        assert swa.block_table.data_ptr() == runner.block_table_swa.data_ptr()
+        assert swa.block_table.shape[0] == graph_md.num_reqs and swa.slot_mapping.shape[0] == graph_md.num_actual_tokens
+        assert (swa.num_reqs, swa.max_query_len, swa.query_start_loc.shape) == (
+            graph_md.num_reqs, graph_md.max_query_len, graph_md.query_start_loc.shape)
 

@@ -95,7 +95,7 @@ def padded_size(sizes: list[int], n: int) -> int | None:
 
 
 class CUDAGraphRunner:
-    """Captured decode graphs over the runner's persistent buffers.
+    """Captured decode and mixed-step graphs over the runner's persistent buffers.
 
     Args:
         forward: the model forward, `forward(input_ids [B] int64, positions [B] int64) -> hidden [B, H]`.
@@ -158,12 +158,13 @@ class CUDAGraphRunner:
             seq_lens_cpu=None,  # type: ignore[arg-type]
         )
 
-    def metadata_swa(self, size: int) -> AttentionMetadata | None:
-        """The sliding-window group's metadata of a graph of `size` decodes (None with one group)."""
+    def metadata_swa(self, md: AttentionMetadata) -> AttentionMetadata | None:
+        """The sliding-window group's copy of a graph's metadata `md` (its block table and slots; the same
+        requests and tokens), or None with one group."""
         if self.block_table_swa is None:
             return None
-        return replace(self.metadata(size), block_table=self.block_table_swa[:size],
-                       slot_mapping=self.buf["slot_mapping_swa"][:size])
+        return replace(md, block_table=self.block_table_swa[: md.num_reqs],
+                       slot_mapping=self.buf["slot_mapping_swa"][: md.num_actual_tokens])
 
     def mixed_reqs(self, size: int) -> int:
         """R of the mixed graph of `size` tokens: the requests it is captured for (a step has at most one per
@@ -178,16 +179,10 @@ class CUDAGraphRunner:
                        query_start_loc=self.buf["query_start_loc"][: r + 1], seq_lens=self.buf["seq_lens"][:r],
                        block_table=self.block_table[:r])
 
-    def metadata_mixed_swa(self, size: int) -> AttentionMetadata | None:
-        """The sliding-window group's metadata of a mixed graph of `size` tokens (None with one group)."""
-        if self.block_table_swa is None:
-            return None
-        return replace(self.metadata_mixed(size), block_table=self.block_table_swa[: self.mixed_reqs(size)],
-                       slot_mapping=self.buf["slot_mapping_swa"][:size])
-
     def pad_mixed_inputs(self, num_reqs: int, num_tokens: int, size: int) -> None:
-        """For the mixed graph of `size` tokens, make requests [num_reqs, R) empty (query_start_loc num_tokens, seq_len 0) and tokens
-        [num_tokens, size) padding (id 0, position 0, slot -1): the kernel's virtual padding request.
+        """For the mixed graph of `size` tokens, make requests [num_reqs, R) empty (query_start_loc num_tokens,
+        seq_len 0) and tokens [num_tokens, size) padding (id 0, position 0, slot -1): the kernel's virtual padding
+        request.
 
         Device-side writes on the current stream after the step's own copies; no host sync.
         """
@@ -217,12 +212,11 @@ class CUDAGraphRunner:
         self.buf["input_ids"][num_reqs:size].zero_()
         self.buf["positions"][num_reqs:size].zero_()
 
-    def _capture_one(self, size: int, md: AttentionMetadata, md_swa: AttentionMetadata | None,
-                     pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Run the forward of `size` tokens once eagerly (Triton compiles, cuBLAS picks its kernels), then
-        capture it into `pool`; the buffers must already describe padding only."""
+    def _capture_one(self, size: int, md: AttentionMetadata, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run the forward of `size` tokens under `md` once eagerly (Triton compiles, cuBLAS picks its kernels),
+        then capture it into `pool`; the buffers must already describe padding only."""
         ids, pos = self.buf["input_ids"][:size], self.buf["positions"][:size]
-        with set_forward_context(md, self.kv_caches, self.attn_backend, md_swa):
+        with set_forward_context(md, self.kv_caches, self.attn_backend, self.metadata_swa(md)):
             self.forward(ids, pos)  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -240,12 +234,11 @@ class CUDAGraphRunner:
         self.buf["query_start_loc"][:1].zero_()
         for size in reversed(self.mixed_sizes):
             self.pad_mixed_inputs(0, 0, size)
-            self.mixed_graphs[size], self.mixed_outputs[size] = self._capture_one(
-                size, self.metadata_mixed(size), self.metadata_mixed_swa(size), pool)
+            self.mixed_graphs[size], self.mixed_outputs[size] = self._capture_one(size, self.metadata_mixed(size),
+                                                                                  pool)
         for size in reversed(self.sizes):
             self.pad_decode_inputs(0, size)
-            self.graphs[size], self.outputs[size] = self._capture_one(size, self.metadata(size),
-                                                                      self.metadata_swa(size), pool)
+            self.graphs[size], self.outputs[size] = self._capture_one(size, self.metadata(size), pool)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         mixed = (f" and {len(self.mixed_sizes)} for mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} "
