@@ -128,3 +128,29 @@ def test_decode_steps_make_no_hidden_sync(model_dir):
     assert steps == 10
     assert runner.cuda_graphs.num_replays - replays == 10
     engine.shutdown()
+
+
+def test_mixed_step_makes_no_hidden_sync(model_dir):
+    """A prompt arriving beside running decodes: its step replays a mixed graph under sync debug mode "error"."""
+    from tokenmill import SamplingParams
+
+    llm = _llm(model_dir)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(10 + i, 30 + 5 * i))}, greedy)
+    runner = _runner(llm)
+    engine.step()  # the three prompts, outside the check
+    engine.step()  # their first decode
+    engine.add_request("late", {"prompt_token_ids": list(range(50, 90))},
+                       SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True))
+    mixed = runner.cuda_graphs.num_mixed_replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.step()  # the late prompt's 40 tokens beside three decodes
+        engine.step()  # four decodes
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.cuda_graphs.num_mixed_replays == mixed + 1
+    engine.shutdown()
