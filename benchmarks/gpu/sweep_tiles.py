@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/sweep_tiles.py            # the tile sweep
     python benchmarks/gpu/sweep_tiles.py --order    # default tiles, heavy-first vs request-order launch
+    python benchmarks/gpu/sweep_tiles.py --mixed    # mixed steps, decodes in their own launch or not
 
 Prints, per shape, every (block_m, block_n, num_warps, num_stages) tried with
 its median time, best first, so `choose_launch_config` defaults can be set
@@ -24,8 +25,10 @@ from tokenmill.kernels.triton.paged_attention import paged_attention
 
 
 def inputs(query_lens, ctx, h=32, kvh=8, d=128, bs=16, dtype=torch.bfloat16):
+    """ctx: one context length for every request, or a list of one per request."""
     num_reqs = len(query_lens)
-    seq = [ctx + q for q in query_lens]
+    ctx = [ctx] * num_reqs if isinstance(ctx, int) else ctx
+    seq = [c + q for c, q in zip(ctx, query_lens, strict=True)]
     per = max(math.ceil(s / bs) for s in seq)
     nb = num_reqs * per
     cache = torch.randn(2, nb, bs, kvh, d, dtype=dtype, device="cuda")
@@ -75,9 +78,42 @@ def order_ab() -> None:
         print(f"{name:44s} {times[0]:15.1f} {times[1]:17.1f} {times[0] / times[1]:6.2f}", flush=True)
 
 
+def mixed_ab() -> None:
+    """Mixed steps with the decodes in their own 16-row launch (`paged_attention(split_decodes=True)`, the
+    default) vs one 64-row launch, one line per shape; the last shapes have no decodes (the split's cost when
+    there is nothing to split off: the decode launch's programs all return at once)."""
+    shapes = [("255 decodes ctx 850 + 256 prefill ctx 0", [1] * 255 + [256], [850] * 255 + [0]),
+              ("255 decodes ctx 850 + 256 prefill ctx 2048", [1] * 255 + [256], [850] * 255 + [2048]),
+              ("64 decodes ctx 2000 + 512 prefill ctx 0", [1] * 64 + [512], [2000] * 64 + [0]),
+              ("128 decodes ctx 1024 + 4x512 prefill ctx 1024", [512] * 4 + [1] * 128, 1024),
+              ("64 spec decodes (q 4) ctx 1000 + 256 prefill", [4] * 64 + [256], [1000] * 64 + [0]),
+              ("prefill only 1024 ctx 0", [1024], 0),
+              ("prefill only 8 x 128 ctx 0", [128] * 8, 0)]
+    print(f"{'shape':46s} {'split us':>9s} {'one launch us':>14s} {'ratio':>6s}", flush=True)
+    for name, query_lens, ctx in shapes:
+        q, cache, table, seq_lens, qsl = inputs(query_lens, ctx)
+        out = torch.empty_like(q)
+        max_seq_len = int(seq_lens.max())
+        times, results = [], []
+        for split in (True, False):
+            def fn(split=split):
+                paged_attention(q, cache, table, seq_lens, qsl, num_reqs=len(query_lens),
+                                max_query_len=max(query_lens), max_seq_len=max_seq_len, scale=0.088, out=out,
+                                split_decodes=split)
+            fn()
+            results.append(out.float())
+            times.append(triton.testing.do_bench(fn, warmup=20, rep=100) * 1000)
+        err = (results[0] - results[1]).abs().max().item()  # the same attention: bf16 rounding only
+        print(f"{name:46s} {times[0]:9.1f} {times[1]:14.1f} {times[0] / times[1]:6.2f}   max diff {err:.1e}",
+              flush=True)
+
+
 def main() -> None:
     if "--order" in sys.argv[1:]:
         order_ab()
+        return
+    if "--mixed" in sys.argv[1:]:
+        mixed_ab()
         return
     decode_grid = list(itertools.product([16], [32, 64, 128], [2, 4, 8], [1, 2, 3]))
     prefill_grid = list(itertools.product([64, 128], [32, 64, 128], [4, 8], [1, 2, 3]))

@@ -99,6 +99,8 @@ CASES = [
     ([0, 37, 5], [9, 1, 4], 4, 2, 16, 16, {}),
     ([20, 0], [1, 12], 4, 1, 16, 32, {"sliding_window": 7, "logits_soft_cap": 5.0}),
     ([45, 3], [1, 1], 4, 2, 16, 16, {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0]), "num_splits": 3}),
+    # a mixed step (decodes of 1 and 2 tokens beside a chunk of 9) as one launch; the first two cases use two
+    ([0, 37, 5], [9, 1, 2], 8, 2, 16, 16, {"split_decodes": False}),
 ]
 
 
@@ -113,7 +115,7 @@ def test_triton_paged_attention_reads_fp8(dtype, case):
     q8, deq = _quantized(batch, dtype, k_scale, v_scale)
     scale = d**-0.5
     out = _triton(batch, q8, scale=scale, k_scale=k_scale, v_scale=v_scale, **opts)
-    attn_kw = {k: v for k, v in opts.items() if k != "num_splits"}
+    attn_kw = {k: v for k, v in opts.items() if k not in ("num_splits", "split_decodes")}
     worst = _check_both(batch, out, deq, scale, **attn_kw)
     assert worst > 0.0, "fp8 storage changed nothing: the cache was not quantized"
     assert torch.all(out[sum(ql):] == 0), "padding rows must be zero"

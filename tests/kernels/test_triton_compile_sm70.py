@@ -61,22 +61,24 @@ SCRIPT = textwrap.dedent(
         # Attention, window + softcap on. sm_70 (fp16): decode tiles at head_dim 128 on the
         # split-KV path (16-bit and e4m3 caches), and the largest prefill tiles (head_dim 256);
         # sm_90: prefill tiles at head_dim 128 (fp16), and bf16 decode tiles over an e5m2 cache.
+        # The two launches of a mixed step (ROLE 1 decode tiles, ROLE 2 prefill tiles) on sm_90.
         # (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
-        shapes = (((1, 128, 4, 0), (1, 128, 4, 1), (512, 256, 1, 0)) if cc == 70
-                  else ((512, 128, 1, 0), (1, 128, 4, 2)))
-        for max_q, head_dim, splits, kv_fp8 in shapes:
+        shapes = (((1, 128, 4, 0, 0), (1, 128, 4, 1, 0), (512, 256, 1, 0, 0)) if cc == 70
+                  else ((512, 128, 1, 0, 0), (1, 128, 4, 2, 0), (1, 128, 1, 0, 1), (512, 128, 1, 2, 2)))
+        for max_q, head_dim, splits, kv_fp8, role in shapes:
             act = "*bf16" if cc == 90 and kv_fp8 else "*fp16"
             cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
             cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
-                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1, KV_FP8=kv_fp8)
+                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1, KV_FP8=kv_fp8, HEAVY_FIRST=role != 1,
+                      ROLE=role, DECODE_Q=4 if role == 2 else 0)
             ptrs = {"out_ptr": "*fp32" if splits > 1 else act, "lse_ptr": "*fp32", "q_ptr": act,
                     "kv_cache_ptr": "*u8" if kv_fp8 else act, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                     "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"}
             src = triton.compiler.ASTSource(fn=paged_attention_kernel,
                                             signature=sig_of(paged_attention_kernel, ptrs, ("scale", "v_scale", "softcap"), cx), constexprs=cx)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
-            suffix = {0: "", 1: "_e4m3", 2: "_e5m2"}[kv_fp8]
+            suffix = {0: "", 1: "_e4m3", 2: "_e5m2"}[kv_fp8] + {0: "", 1: "_decode_role", 2: "_prefill_role"}[role]
             results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}{suffix}", cc=cc,
                                 ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
@@ -127,7 +129,8 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("kv_write", 70), ("kv_write_e4m3", 70), ("kv_write_e5m2", 70), ("merge_splits", 70), ("attention_q1_d128", 70),
         ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
-        ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90)
+        ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90), ("attention_q1_d128_decode_role", 90),
+        ("attention_q512_d128_e5m2_prefill_role", 90)
     ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"

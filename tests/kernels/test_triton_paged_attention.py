@@ -13,7 +13,11 @@ import torch
 from attention_reference import make_paged_batch, reference_attention
 
 from tokenmill.kernels.triton import attention_config as triton_attention_config
-from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
+from tokenmill.kernels.triton.attention_config import (
+    choose_decode_launch_config,
+    choose_launch_config,
+    choose_num_splits,
+)
 from tokenmill.kernels.triton.paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
@@ -82,21 +86,63 @@ def test_random_mixed_batches(num_heads, num_kv_heads, head_dim, block_size, win
         )
         kw = {"scale": head_dim**-0.5, "sliding_window": window, "logits_soft_cap": cap}
         _check(batch, _run(batch, **kw), atol=2e-5, **kw)
+        if trial == 0:  # the single launch of a mixed step (split_decodes=False) too, once per case
+            _check(batch, _run(batch, split_decodes=False, **kw), atol=2e-5, **kw)
 
 
-@pytest.mark.parametrize("heavy_first", [True, False])
-def test_edge_lengths_and_tile_shapes(heavy_first):
+@pytest.mark.parametrize("heavy_first,split_decodes", [(False, True), (True, False)])
+def test_edge_lengths_and_tile_shapes(heavy_first, split_decodes):
     """Chunk of 1 at context 0, chunks ending exactly on a block edge, a long
-    chunk spanning several query blocks, and KV tiles smaller than a block; in
-    both launch orders (the order must never change a result)."""
+    chunk spanning several query blocks, an empty request, and KV tiles smaller
+    than a block; in both launch orders and with the decodes in their own launch
+    or not (neither may change a result; the defaults, True / True, run in the
+    other tests)."""
     gen = torch.Generator().manual_seed(1)
-    ctx = [0, 0, 15, 16, 31, 5]
-    q = [1, 16, 1, 16, 2, 21]
+    ctx = [0, 0, 15, 0, 16, 31, 5]
+    q = [1, 16, 1, 0, 16, 2, 21]
     batch = make_paged_batch(ctx, q, num_heads=4, num_kv_heads=2, head_dim=16, block_size=32,
                              dtype=torch.float32, device=DEVICE, num_padding_tokens=3, generator=gen)
     kw = {"scale": 0.3}
     for block_m, block_n in [(None, None), (16, 16), (64, 128), (32, 32)]:
-        _check(batch, _run(batch, block_m=block_m, block_n=block_n, heavy_first=heavy_first, **kw), atol=2e-5, **kw)
+        out = _run(batch, block_m=block_m, block_n=block_n, heavy_first=heavy_first, split_decodes=split_decodes, **kw)
+        _check(batch, out, atol=2e-5, **kw)
+
+
+@pytest.mark.skipif(CUDA, reason="wraps the interpreted kernel launch")
+def test_mixed_step_launches_write_disjoint_rows(monkeypatch):
+    """split_decodes: the decode launch (ROLE 1) writes exactly the rows of the requests with 1..BLOCK_Q_dec new
+    tokens, the prefill launch (ROLE 2) exactly the others' and the padding rows (also when the padding is no
+    longer than a decode); the empty request has no rows. Each launch writes into its own NaN buffer here."""
+    import tokenmill.kernels.triton.paged_attention as module
+
+    kernel, written = module.paged_attention_kernel, {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(dst, *args, **kw):
+                own = torch.full_like(dst, float("nan"))
+                kernel[grid](own, *args, **kw)
+                rows = ~torch.isnan(own).all(-1)  # [num_tokens, num_heads]
+                assert kw["ROLE"] not in written
+                written[kw["ROLE"]] = rows
+                dst[rows] = own[rows]
+            return launch
+
+    monkeypatch.setattr(module, "paged_attention_kernel", Recorder())
+    gen = torch.Generator().manual_seed(6)
+    # 8 q / 2 kv heads: decode tiles hold 16 // 4 = 4 tokens, prefill tiles 16
+    ctx, q = [0, 5, 20, 0, 33, 9], [7, 1, 3, 0, 4, 5]
+    batch = make_paged_batch(ctx, q, num_heads=8, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32, num_padding_tokens=3, generator=gen)
+    assert choose_launch_config(1, 4, 16).block_q == 4
+    kw = {"scale": 0.25, "sliding_window": 6}
+    _check(batch, _run(batch, **kw), atol=2e-5, **kw)
+    assert sorted(written) == [1, 2]
+    decode = torch.zeros(sum(q) + 3, dtype=torch.bool)
+    for start, n in zip(batch.query_start_loc.tolist(), q, strict=False):
+        decode[start : start + n] = 1 <= n <= 4
+    assert torch.equal(written[1], decode[:, None].expand(-1, 8))
+    assert torch.equal(written[2], ~decode[:, None].expand(-1, 8))
 
 
 @pytest.mark.slow  # the Triton interpreter over many splits: the slowest kernel test on CPU
@@ -143,6 +189,13 @@ def test_launch_config_rules():
     cfg = choose_launch_config(1, 32, 64)  # MQA with 32 heads: a tile holds one token
     assert (cfg.block_m, cfg.block_q) == (32, 1)
     assert choose_launch_config(100, 1, 256).block_n == 32
+    # The decode launch of a mixed step: Llama-3.1-8B's 4 heads per kv head -> 4 tokens (16 rows) beside 16.
+    dec = choose_decode_launch_config(256, choose_launch_config(256, 4, 128), 4, 128)
+    assert (dec.block_m, dec.block_q, dec.block_n, dec.num_warps) == (16, 4, 64, 4)
+    assert choose_decode_launch_config(4, choose_launch_config(4, 4, 128), 4, 128) is None  # decode step
+    assert choose_decode_launch_config(256, choose_launch_config(256, 64, 128), 64, 128) is None  # 1 token both
+    assert choose_decode_launch_config(256, choose_launch_config(256, 4, 128, block_m=16), 4, 128) is None
+    assert choose_decode_launch_config(256, choose_launch_config(256, 1, 64), 1, 64, block_n=16).block_n == 16
 
 
 def test_split_count_rules(monkeypatch):
@@ -164,23 +217,26 @@ def test_rejects_bad_head_ratio():
         _run(batch, scale=1.0)
 
 
-@pytest.mark.parametrize("gpt_oss", [False, True])
-def test_mixed_cuda_graph_metadata_gives_the_same_rows(gpt_oss):
+@pytest.mark.parametrize("gpt_oss,split_decodes", [(False, True), (True, True), (True, False)])
+def test_mixed_cuda_graph_metadata_gives_the_same_rows(gpt_oss, split_decodes):
     """The kernel under a mixed CUDA graph's metadata (worker/cuda_graph.py: R requests, the extra ones empty,
     the tokens past the live ones the kernel's padding request, stale block-table rows) gives the live rows
     exactly what the step's own metadata gives, and zeros for the padding rows; unused cache slots hold NaN, so
     a read of one would show. gpt_oss: a sliding-window layer with sinks (the padding rows must stay 0 although
-    the sink joins every row's denominator)."""
+    the sink joins every row's denominator). 4 heads per kv head: requests of <= 4 tokens run in the decode
+    launch (split_decodes), and so would the 4 padding tokens but for the padding request's exception."""
     gen = torch.Generator().manual_seed(3)
-    batch = make_paged_batch([0, 5, 20, 33], [7, 1, 3, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+    batch = make_paged_batch([0, 5, 20, 33], [7, 1, 3, 1], num_heads=8, num_kv_heads=2, head_dim=16, block_size=16,
                              dtype=torch.float32, generator=gen)
     t, r, size = 12, 7, 16
-    kw = {"scale": 0.25}
+    kw = {"scale": 0.25, "split_decodes": split_decodes}
     if gpt_oss:
-        kw.update(sliding_window=6, sinks=torch.randn(4, generator=gen))
+        kw.update(sliding_window=6, sinks=torch.randn(8, generator=gen))
     ref = paged_attention(batch.query[:t], batch.kv_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                           num_reqs=4, max_query_len=7, **kw)
-    query = torch.cat([batch.query[:t], torch.randn(size - t, 4, 16, generator=gen)])
+    assert torch.allclose(ref, reference_attention(batch, **{k: v for k, v in kw.items() if k != "split_decodes"})
+                          .float(), atol=2e-5)
+    query = torch.cat([batch.query[:t], torch.randn(size - t, 8, 16, generator=gen)])
     num_blocks = batch.kv_cache.shape[1]
     stale = torch.randint(0, num_blocks, (r - 4, batch.block_table.shape[1]), generator=gen, dtype=torch.int32)
     table = torch.cat([batch.block_table, stale])

@@ -14,6 +14,10 @@ import torch
 import triton
 
 
+# Steps whose longest request adds at most this many tokens are decode steps: 16-row tiles, KV splits allowed.
+DECODE_MAX_QUERY_LEN = 4
+
+
 @dataclass(slots=True, frozen=True)
 class AttentionLaunchConfig:
     """Tile sizes and launch settings of `paged_attention_kernel`."""
@@ -42,16 +46,19 @@ def choose_launch_config(
 ) -> AttentionLaunchConfig:
     """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
 
-    Decode-only steps (max_query_len <= 4) use 16-row tiles: one decode token
-    times the GQA group fills a tile with little waste (32 q / 8 kv heads ->
-    4 tokens x 4 heads). Prefill steps use 64 rows. BLOCK_N shrinks for
-    head_dim 256 to keep the fp32 accumulator and K/V tiles in registers.
-    `num_stages` comes from the platform (1 on sm_70, which has no cp.async).
+    Decode-only steps (max_query_len <= DECODE_MAX_QUERY_LEN = 4) use 16-row
+    tiles: one decode token times the GQA group fills a tile with little waste
+    (32 q / 8 kv heads -> 4 tokens x 4 heads). Steps with a longer request use
+    64 rows; in such a mixed step `paged_attention` hands the short requests to
+    a second launch with the decode tiles (`choose_decode_launch_config`).
+    BLOCK_N shrinks for head_dim 256 to keep the fp32 accumulator and K/V tiles
+    in registers. `num_stages` comes from the platform (1 on sm_70, which has
+    no cp.async). block_m, block_n, num_warps: overrides (tests, tuning).
     """
     qpk_pad = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     if block_m is None:
-        block_m = 16 if max_query_len <= 4 else 64
+        block_m = 16 if max_query_len <= DECODE_MAX_QUERY_LEN else 64
     block_m = max(block_m, qpk_pad, 16)
     if block_n is None:
         block_n = 64 if head_dim_pad <= 128 else 32
@@ -69,6 +76,26 @@ def choose_launch_config(
     )
 
 
+def choose_decode_launch_config(
+    max_query_len: int, main: AttentionLaunchConfig, num_queries_per_kv: int, head_dim: int, *,
+    num_stages: int = 2, block_n: int | None = None,
+) -> AttentionLaunchConfig | None:
+    """Tiles of a mixed step's decode launch (`paged_attention(split_decodes=True)`), or None for one launch.
+
+    `main` is the step's own config (`choose_launch_config(max_query_len, ...)`). In a step with a request
+    longer than DECODE_MAX_QUERY_LEN, the requests of 1..block_q new tokens run one program each with the
+    decode-step tiles (those of max_query_len 1) instead of main's, doing main.block_q / block_q times less
+    `tl.dot` work per KV tile (Llama-3.1-8B, 4 heads per kv head: 16 rows, not 64, for a decode's 4 real
+    rows). None for decode-only steps and where the decode tiles hold no fewer tokens than main's (e.g. 64
+    query heads per kv head: one token either way). A `block_n` override applies to both launches; block_m
+    and num_warps overrides only to `main`.
+    """
+    if max_query_len <= DECODE_MAX_QUERY_LEN:
+        return None
+    dec = choose_launch_config(1, num_queries_per_kv, head_dim, num_stages=num_stages, block_n=block_n)
+    return dec if dec.block_q < main.block_q else None
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -79,12 +106,12 @@ def choose_num_splits(
 ) -> int:
     """How many pieces to split each KV range into (1 = no split).
 
-    Only decode steps (max_query_len <= 4) on a GPU split, and only when the
+    Only decode steps (max_query_len <= DECODE_MAX_QUERY_LEN) on a GPU split, and only when the
     (request, kv head) programs cannot give every SM two of them; each split
     should still stream >= 256 positions. E.g. H200 (132 SMs), 8 kv heads:
     1 request at 8k context -> 16 splits; 64 requests -> 1.
     """
-    if device.type != "cuda" or max_query_len > 4 or not max_seq_len:
+    if device.type != "cuda" or max_query_len > DECODE_MAX_QUERY_LEN or not max_seq_len:
         return 1
     programs = max(1, num_reqs * num_kv_heads)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -30,6 +30,34 @@ on host ints. Example with BLOCK_Q = 4, query lens [3, 1, 6]:
 
 Tokens past `query_start_loc[num_reqs]` (CUDA-graph padding) belong to a
 virtual last request with no context; their output rows are written as 0.
+A request with no new tokens (a mixed CUDA graph's empty requests: query
+length 0, seq_len 0) owns one idle block, which writes nothing: it has no
+rows.
+
+Mixed steps: two launches (`split_decodes`, the default). A 64-row tile
+spends most of its rows on nothing for a decode (Llama-3.1-8B: 1 token x 4
+heads real out of 16 x 4), and a mixed step is mostly decodes, so when
+max_query_len > 4 the same kernel runs twice over the same buffers, each
+program of either launch writing its rows or nothing:
+
+    ROLE 1 (decode):  the decode-step tiles (`choose_decode_launch_config`,
+                      16 rows: BLOCK_Q_dec = max(16 // QPK_PAD, 1) tokens);
+                      grid num_reqs x kv heads in request order, program ->
+                      request directly, q0 = 0. Takes the requests of
+                      1..BLOCK_Q_dec new tokens (one block each); programs of
+                      longer or empty requests return at once.
+    ROLE 2 (prefill): the step's 64-row tiles, numbering and launch order;
+                      blocks of requests of <= BLOCK_Q_dec tokens (DECODE_Q)
+                      return at once, except the virtual padding request's,
+                      which writes its zero rows whatever its length.
+
+Example, BLOCK_Q_dec = 4, query lens [1, 0, 9, 3] + 2 padding tokens: ROLE 1
+writes requests 0 and 3; ROLE 2 writes request 2 and the padding rows;
+request 1 has no rows. So every output row is written by exactly one launch
+(with split KV, which mixed steps do not choose, every split of it). Both
+grids depend on host ints only, so a CUDA graph of a mixed step replays
+both. ROLE 0 (one launch: decode-only steps, and `split_decodes=False`) is
+the kernel without either check (the same PTX as before the roles).
 
 Launch order (HEAVY_FIRST, the default): grid axis 0 enumerates (query block,
 kv head) pairs with the head fastest and the blocks in reverse, so the GPU
@@ -73,7 +101,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.attention_config import choose_launch_config, choose_num_splits
+from tokenmill.kernels.triton.attention_config import (
+    AttentionLaunchConfig,
+    choose_decode_launch_config,
+    choose_launch_config,
+    choose_num_splits,
+)
 from tokenmill.kernels.kv_fp8 import kv_fp8_code, kv_unit
 from tokenmill.kernels.triton.kv_fp8 import decode_kv, kv_cache_arg
 from tokenmill.kernels.triton.merge_splits import merge_splits
@@ -125,35 +158,51 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
     KV_FP8: tl.constexpr,  # 0: cache in the query's dtype; 1 / 2: e4m3fn / e5m2 bits (triton/kv_fp8.py)
     HEAVY_FIRST: tl.constexpr,  # axis 0 runs the query blocks last to first (module docstring)
+    ROLE: tl.constexpr,  # 0: the only launch; 1 / 2: decode / prefill launch of a mixed step (module docstring)
+    DECODE_Q: tl.constexpr,  # ROLE 2: requests with q_len <= DECODE_Q are the decode launch's
 ):
     flat = tl.program_id(0)
     kv_head = flat % num_kv_heads
-    pid = flat // num_kv_heads  # query block
+    pid = flat // num_kv_heads  # query block (ROLE 1: request)
     if HEAVY_FIRST:
         pid = num_q_blocks - 1 - pid
     split = tl.program_id(1)
     LOG2E: tl.constexpr = 1.4426950408889634
 
-    # Largest request index r in [0, num_reqs] whose first query block <= pid;
-    # r == num_reqs is the virtual padding request.
-    left = pid * 0
-    right = pid * 0 + num_reqs
-    while left < right:
-        mid = (left + right + 1) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        ok = first <= pid
-        left = tl.where(ok, mid, left)
-        right = tl.where(ok, right, mid - 1)
-    req = left
+    if ROLE == 1:
+        req = pid  # one block per request, grid num_reqs: never the padding request
+    else:
+        # Largest request index r in [0, num_reqs] whose first query block <= pid;
+        # r == num_reqs is the virtual padding request.
+        left = pid * 0
+        right = pid * 0 + num_reqs
+        while left < right:
+            mid = (left + right + 1) // 2
+            first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            ok = first <= pid
+            left = tl.where(ok, mid, left)
+            right = tl.where(ok, right, mid - 1)
+        req = left
     is_pad = req == num_reqs
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1, mask=req < num_reqs, other=0)
     q_end = tl.where(is_pad, num_tokens, q_end)
     q_len = q_end - q_start
+    if ROLE == 1:
+        # Longer requests are the prefill launch's; empty ones have no rows to write.
+        if (q_len == 0) | (q_len > BLOCK_Q):
+            return
+    if ROLE == 2:
+        # Short requests are the decode launch's; the padding request (zero rows) stays here.
+        if (q_len <= DECODE_Q) & (req < num_reqs):
+            return
     seq_len = tl.load(seq_lens_ptr + req, mask=req < num_reqs, other=0)
     ctx_len = seq_len - q_len
-    q0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this block, within the request
+    if ROLE == 1:
+        q0 = pid * 0
+    else:
+        q0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this block, within the request
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -282,6 +331,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     heavy_first: bool = True,
+    split_decodes: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -302,7 +352,8 @@ def paged_attention(
             (Gemma 2, arXiv:2408.00118).
         out: optional [num_tokens, num_heads, head_dim] output buffer.
         num_stages: software-pipelining depth (use 1 on compute capability 7.x).
-        block_m, block_n, num_warps: overrides of `choose_launch_config` (tests, tuning).
+        block_m, block_n, num_warps: overrides of `choose_launch_config` (tests, tuning); of them only
+            block_n also applies to a mixed step's decode launch.
         max_seq_len: host int, the longest seq_len (caps the split count).
         num_splits: split each KV range over this many programs and merge
             (flash-decoding); default from `choose_num_splits`. Any value is
@@ -312,6 +363,10 @@ def paged_attention(
         k_scale, v_scale: the layer's fp8 KV scales (host floats); ignored by a 16/32-bit cache.
         heavy_first: launch each request's query blocks last to first (module docstring); False keeps
             request order (same result; for timing).
+        split_decodes: in a mixed step (max_query_len > 4), run the requests of 1..BLOCK_Q_dec new tokens
+            (the decode tiles' tokens: 4 with 4 query heads per kv head) in a launch of their own with the
+            decode-step tiles (`choose_decode_launch_config`; module docstring, "Mixed steps"); False = one
+            launch with the prefill tiles (same result up to float rounding; for A/B timing).
 
     Returns:
         out: [num_tokens, num_heads, head_dim], dtype of `query`. Every
@@ -353,56 +408,70 @@ def paged_attention(
         dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
         lse_split_stride, lse_tok_stride = 0, 0
     fp8 = kv_fp8_code(kv_cache.dtype)
-    num_q_blocks = num_tokens // cfg.block_q + num_reqs + 1
-    grid = (num_q_blocks * num_kv_heads, num_splits)
-    paged_attention_kernel[grid](
-        dst,
-        lse,
-        query,
-        kv_cache_arg(kv_cache),
-        block_table,
-        seq_lens,
-        query_start_loc,
-        sinks if sinks is not None else query,
-        float(scale) * (float(k_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0),
-        float(v_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0,
-        float(logits_soft_cap or 0.0),
-        int(sliding_window or 0),
-        num_reqs,
-        num_tokens,
-        query.stride(0),
-        query.stride(1),
-        dst_split_stride,
-        dst_tok_stride,
-        dst_head_stride,
-        lse_split_stride,
-        lse_tok_stride,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_table.stride(0),
-        qpk,
-        head_dim,
-        num_kv_heads,
-        num_q_blocks,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=cfg.block_q,
-        QPK_PAD=cfg.qpk_pad,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        HEAD_DIM_PAD=cfg.head_dim_pad,
-        USE_WINDOW=sliding_window is not None and sliding_window > 0,
-        USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
-        USE_SINKS=sinks is not None,
-        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=num_splits,
-        SPLIT_KV=split_kv,
-        KV_FP8=fp8,
-        HEAVY_FIRST=heavy_first,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    dec_cfg = None
+    if split_decodes:
+        dec_cfg = choose_decode_launch_config(max_query_len, cfg, qpk, head_dim, num_stages=num_stages,
+                                              block_n=block_n)
+
+    def launch(tiles: AttentionLaunchConfig, role: int, num_q_blocks: int, heavy_first: bool) -> None:
+        paged_attention_kernel[(num_q_blocks * num_kv_heads, num_splits)](
+            dst,
+            lse,
+            query,
+            kv_cache_arg(kv_cache),
+            block_table,
+            seq_lens,
+            query_start_loc,
+            sinks if sinks is not None else query,
+            float(scale) * (float(k_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0),
+            float(v_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0,
+            float(logits_soft_cap or 0.0),
+            int(sliding_window or 0),
+            num_reqs,
+            num_tokens,
+            query.stride(0),
+            query.stride(1),
+            dst_split_stride,
+            dst_tok_stride,
+            dst_head_stride,
+            lse_split_stride,
+            lse_tok_stride,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            block_table.stride(0),
+            qpk,
+            head_dim,
+            num_kv_heads,
+            num_q_blocks,
+            BLOCK_SIZE=block_size,
+            BLOCK_Q=tiles.block_q,
+            QPK_PAD=tiles.qpk_pad,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            HEAD_DIM_PAD=tiles.head_dim_pad,
+            USE_WINDOW=sliding_window is not None and sliding_window > 0,
+            USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
+            USE_SINKS=sinks is not None,
+            DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+            NUM_SPLITS=num_splits,
+            SPLIT_KV=split_kv,
+            KV_FP8=fp8,
+            HEAVY_FIRST=heavy_first,
+            ROLE=role,
+            DECODE_Q=dec_cfg.block_q if role == 2 else 0,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+
+    # Grids from host ints only (a CUDA graph replays both launches of a mixed step).
+    if dec_cfg is None:
+        launch(cfg, 0, num_tokens // cfg.block_q + num_reqs + 1, heavy_first)
+    else:
+        if num_reqs > 0:
+            launch(dec_cfg, 1, num_reqs, False)  # one program per (request, kv head)
+        launch(cfg, 2, num_tokens // cfg.block_q + num_reqs + 1, heavy_first)
     if split_kv:
         merge_splits(partial, lse, out, sinks)
     return out
