@@ -1,7 +1,8 @@
 # make serve: set up .venv and start the OpenAI-compatible server (bundled model, 127.0.0.1:8000).
 # make test:  set up .venv (with test extras) and run the whole test suite; a test-extra
 #             package that is missing fails the run (TOKENMILL_TEST_REQUIRE_EXTRAS=1,
-#             tests/optional_deps.py) instead of skipping its tests.
+#             tests/optional_deps.py) instead of skipping its tests. Two pytest-xdist workers, one
+#             test file (or the files sharing a costly session fixture: tests/conftest.py) per worker.
 # make test-fast: the developer's inner loop: everything but the tests marked slow, e2e
 #             or gpu (pyproject.toml's markers): no server process, no real-model parity.
 #
@@ -21,10 +22,10 @@ serve: $(SERVE_STAMP)
 	$(VENV)/bin/tokenmill serve
 
 test: $(TEST_STAMP)
-	TOKENMILL_TEST_REQUIRE_EXTRAS=1 $(PY) -m pytest -q
+	TOKENMILL_TEST_REQUIRE_EXTRAS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow and not e2e and not gpu"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not e2e and not gpu"
 
 $(PY):
 	python3 -m venv $(VENV)

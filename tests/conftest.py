@@ -18,6 +18,42 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile`): each test file runs on one worker, so
+# its module fixtures are built once. A session fixture is built once per worker that uses it, so the files
+# that name a costly one (in their source) also share a worker: the two e2e servers, the sm_70/sm_90
+# compile subprocess, transformers' SmolLM2 reference. (xdist's own `xdist_group` marker does not group
+# under pytest 9.2, which no longer reads the node id xdist rewrites.)
+SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2")
+
+
+def _file_group(path: str, rootdir: str, cache: dict[str, str]) -> str:
+    """The scheduling unit of test file `path` (relative to `rootdir`): the first shared session fixture its
+    source names, else the file itself."""
+    if path not in cache:
+        try:
+            text = open(os.path.join(rootdir, path), encoding="utf-8").read()
+        except OSError:
+            text = ""
+        cache[path] = next((f for f in SHARED_SESSION_FIXTURES if f in text), path)
+    return cache[path]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no error where xdist is absent
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadfile`, schedule by `_file_group` instead of by file (pytest-xdist's hook)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootdir, cache = str(config.rootpath), {}
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _file_group(nodeid.split("::", 1)[0], rootdir, cache)
+
+    return FileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (pyproject.toml's markers) skip with one reason when no CUDA device is visible."""
     if torch.cuda.is_available():
