@@ -137,3 +137,38 @@ def test_send_request_counts_tokens_per_chunk(fake_server, chat, prompt, said):
     assert out.success and out.num_chunks == 3 and out.output_tokens == 5
     assert out.chunk_tokens == said
     assert out.chunk_texts == ["tok tok ", "tok tok ", "tok "]
+
+
+def test_a_server_closing_kept_alive_connections_loses_no_request():
+    """A server that answers one request per connection and then closes it, without saying so (no
+    `Connection: close`), some time later: a client reusing the connection would see it drop
+    (ServerDisconnectedError, as llama-server's did under load); every request must succeed."""
+    import asyncio
+
+    chunk = 'data: {"choices": [{"text": "tok "}]}\n\ndata: [DONE]\n\n'
+    answer = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+              f"Content-Length: {len(chunk)}\r\n\r\n{chunk}").encode()
+    served = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(answer)
+        await writer.drain()
+        served.append(1)
+        await asyncio.sleep(0.3)  # a reused connection's next request arrives meanwhile and is never read
+        writer.close()
+
+    async def run() -> list[serve.RequestFuncOutput]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        payloads = [serve.build_payload("p", 1, "fake", False, {}) for _ in range(6)]
+        async with server:
+            outputs, _ = await serve.benchmark(f"http://127.0.0.1:{port}/v1/completions", payloads, False,
+                                               float("inf"), 1.0, 1, disable_tqdm=True)
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert [o.error for o in outputs if not o.success] == []
+    assert len(served) == 7  # the check request and the six
