@@ -23,7 +23,8 @@ grep -qx '/.devcarry/' "$ROOT/.gitignore" 2>/dev/null || grep -qx '/.devcarry/' 
     || echo '/.devcarry/' >> "$ROOT/.git/info/exclude"
 
 PKGS=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
-      annotated-types==0.8.0 typing-inspection==0.4.5 pyzmq==27.3.0 msgspec==0.23.0 gguf==0.19.0)
+      annotated-types==0.8.0 typing-inspection==0.4.5 pyzmq==27.3.0 msgspec==0.23.0 gguf==0.19.0
+      opentelemetry-api==1.45.2)
 for spec in "${PKGS[@]}"; do
     name="${spec%%==*}"
     if ls "$DEST/wheels" | grep -qi "^${name//-/_}-${spec##*==}-"; then continue; fi
