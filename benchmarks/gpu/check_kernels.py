@@ -75,7 +75,7 @@ def guarded(section: str, case: str, fn) -> None:
 def check_attention(dtype, head_dim, block_size, window, cap, num_stages):
     from attention_reference import make_paged_batch, reference_attention
 
-    from tokenmill.kernels.triton.paged_attention import paged_attention
+    from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
     gen = torch.Generator().manual_seed(head_dim * 1000 + block_size)
     ctx = [0, 700, 1000, 31, 2000, 5, 64, 0]
@@ -219,7 +219,7 @@ def decode_inputs(num_reqs, ctx, h, kvh, d, bs, dtype):
 def time_decode(num_reqs, ctx, dtype, num_stages, label, num_splits=None):
     import triton
 
-    from tokenmill.kernels.triton.paged_attention import paged_attention
+    from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
     h, kvh, d, bs = 32, 8, 128, 16
     q, cache, table, seq_lens, qsl = decode_inputs(num_reqs, ctx, h, kvh, d, bs, dtype)
@@ -245,7 +245,7 @@ def time_decode(num_reqs, ctx, dtype, num_stages, label, num_splits=None):
 def time_prefill(chunk, ctx, dtype, num_stages, label):
     import triton
 
-    from tokenmill.kernels.triton.paged_attention import paged_attention
+    from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
     h, kvh, d, bs = 32, 8, 128, 16
     seq = ctx + chunk

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import triton
 
-from tokenmill.kernels.triton.paged_attention import paged_attention
+from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
 
 def inputs(query_lens, ctx, h=32, kvh=8, d=128, bs=16, dtype=torch.bfloat16):

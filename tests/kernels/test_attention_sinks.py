@@ -15,7 +15,7 @@ from attention_reference import make_paged_batch, reference_attention
 
 from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.kernels.triton.paged_attention import paged_attention
+from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

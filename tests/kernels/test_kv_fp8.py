@@ -32,7 +32,7 @@ from tokenmill.attention.backends.torch_sdpa import TorchSDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.kernels.cpu import decode as cpu_decode
 from tokenmill.kernels.kv_fp8 import dequantize_kv, quantize_kv
-from tokenmill.kernels.triton.paged_attention import paged_attention
+from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 from tokenmill.kernels.triton.reshape_and_cache import reshape_and_cache
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

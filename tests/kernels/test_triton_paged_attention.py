@@ -18,7 +18,7 @@ from tokenmill.kernels.triton.attention_config import (
     choose_launch_config,
     choose_num_splits,
 )
-from tokenmill.kernels.triton.paged_attention import paged_attention
+from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -113,7 +113,7 @@ def test_mixed_step_launches_write_disjoint_rows(monkeypatch):
     """split_decodes: the decode launch (ROLE 1) writes exactly the rows of the requests with 1..BLOCK_Q_dec new
     tokens, the prefill launch (ROLE 2) exactly the others' and the padding rows (also when the padding is no
     longer than a decode); the empty request has no rows. Each launch writes into its own NaN buffer here."""
-    import tokenmill.kernels.triton.paged_attention as module
+    import tokenmill.kernels.triton.paged_attention_launch as module
 
     kernel, written = module.paged_attention_kernel, {}
 

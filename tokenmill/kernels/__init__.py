@@ -11,7 +11,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     gelu_and_mul         triton/activation.py               -
     rotary_embedding     triton/rotary.py                   cpu/elementwise.py (neox, full rotary dim)
     reshape_and_cache    triton/reshape_and_cache.py        -
-    paged_attention      triton/paged_attention.py          -
+    paged_attention      triton/paged_attention_launch.py   -
     fused_experts        triton/fused_moe.py                -
     quant_linear         triton/quant_linear.py             - (weights dequantized at load)
     dequantize_weight    triton/quant_linear.py             quant_pack.py (PyTorch)
@@ -23,6 +23,7 @@ Entry points (layers and attention backends call these, never a kernel module):
     dequantize_fp8_weight     triton/fp8_gemm.py            fp8.py (PyTorch, table decode)
     dequantize_mxfp4     triton/mxfp4_dequant.py            mxfp4.py (PyTorch)
 
+Paged attention: the kernel in `triton/paged_attention.py`, its host launcher in `triton/paged_attention_launch.py`.
 int4/int8 weight-only layout: `quant_pack.py` (one layout, PyTorch pack/unpack/dequantize reference).
 FP8 (e4m3fn) schemes, scales and references: `fp8.py` (`Fp8Weight`).
 fp8 KV cache (e4m3fn / e5m2, per-layer k_scale / v_scale): `kv_fp8.py` (PyTorch rule and CPU path),
@@ -181,9 +182,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
     Arguments and keyword options (num_reqs, max_query_len, scale, sliding_window, logits_soft_cap, out,
     max_seq_len, sinks, k_scale / v_scale of an fp8 cache, launch settings) as
-    `kernels.triton.paged_attention.paged_attention`; returns [T, H, D].
+    `kernels.triton.paged_attention_launch.paged_attention`; returns [T, H, D].
     """
-    from tokenmill.kernels.triton.paged_attention import paged_attention as triton_paged_attention
+    from tokenmill.kernels.triton.paged_attention_launch import paged_attention as triton_paged_attention
 
     return triton_paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, **options)
 
