@@ -1,17 +1,25 @@
-"""The CPU KV cache default follows the memory still available (MemAvailable, or the cgroup limit when tighter)."""
+"""The CPU KV cache default follows the memory still available (MemAvailable, or the cgroup limit when tighter);
+an oversized cache is refused at start; its zeros are committed lazily (`lazy_zeros`)."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import mmap
+import sys
 
 import pytest
+import torch
 
 from tokenmill.platforms.memory import (
     CPU_KV_CAP_BYTES,
     CPU_KV_FALLBACK_BYTES,
     CPU_KV_FRACTION,
     cgroup_available_bytes,
+    check_cpu_kv_cache_fits,
     default_cpu_kv_cache_bytes,
+    host_available_bytes,
+    lazy_zeros,
     mem_available_bytes,
 )
 
@@ -88,3 +96,62 @@ def test_an_explicit_size_wins_and_cpu_leaves_the_default_to_the_worker():
     assert _resolve_cache_config(args, cpu).kv_cache_memory_bytes is None
     args.kv_cache_memory_bytes = "256M"
     assert _resolve_cache_config(args, cpu).kv_cache_memory_bytes == 256 * 2**20
+
+
+def test_host_available_bytes_names_the_tighter_source(tmp_path):
+    assert host_available_bytes(_root(tmp_path / "host", mem_available_kb=10 * 2**20)) == (10 * GiB, "MemAvailable")
+    tight = _root(tmp_path / "cg", mem_available_kb=10 * 2**20, cgroup_v2=(4 * GiB, GiB))
+    assert host_available_bytes(tight) == (3 * GiB, "the cgroup memory limit")
+    assert host_available_bytes(_root(tmp_path / "none")) is None
+
+
+def test_kv_cache_larger_than_available_memory_is_refused_with_the_flag():
+    check_cpu_kv_cache_fits(4 * GiB, (4 * GiB, "MemAvailable"))  # exactly the available memory fits
+    check_cpu_kv_cache_fits(10**15, None)  # unknown memory: nothing to check against
+    with pytest.raises(ValueError) as info:
+        check_cpu_kv_cache_fits(4 * GiB + 1, (4 * GiB, "the cgroup memory limit"))
+    msg = str(info.value)
+    assert f"needs {4 * GiB + 1} bytes (4.00 GiB) but only {4 * GiB} bytes (4.00 GiB) of memory are available " \
+           "(the cgroup memory limit)" in msg, msg
+    assert "--kv-cache-memory-bytes" in msg, msg
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_zeros_is_a_zeroed_writable_page_aligned_tensor(dtype):
+    shape = (2, 3, 16, 2, 8)
+    t = lazy_zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    bits = t.view(torch.uint8)
+    assert int(bits.count_nonzero()) == 0
+    if sys.platform.startswith("linux"):
+        assert t.data_ptr() % mmap.PAGESIZE == 0  # an mmap, not torch's allocator
+    bits[1, 2].fill_(0x3C)  # block 2 of the values, through the raw bytes (any dtype)
+    changed = bits.reshape(2, 3, -1).ne(0).all(dim=2)
+    assert changed.tolist() == [[False, False, False], [False, False, True]]
+
+
+def test_lazy_zeros_memory_lives_as_long_as_the_tensor():
+    t = lazy_zeros((1024, 1024), torch.float32)[7]  # a view: the base tensor and its name are gone
+    gc.collect()
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * 1024
+
+
+def test_lazy_zeros_falls_back_to_torch_zeros_off_linux(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    t = lazy_zeros((4, 5), torch.bfloat16)
+    assert t.shape == (4, 5) and t.dtype == torch.bfloat16 and int(t.count_nonzero()) == 0
+    t[1, 2] = 1.0
+    assert int(t.count_nonzero()) == 1
+
+
+def test_lazy_zeros_falls_back_when_mmap_refuses(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    t = lazy_zeros((3, 4), torch.float16)
+    assert t.shape == (3, 4) and t.dtype == torch.float16 and int(t.count_nonzero()) == 0

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
-    """Bytes one KV block takes over all layers of the whole model (K and V), for the start-up log.
+    """Bytes one KV block takes over all layers of the whole model (K and V), for the start-up log and the
+    CPU memory check.
 
     The formula is `worker.kv_cache.kv_bytes_per_block`, over the unsplit model
     (every layer, every KV head). Raises ValueError for an unknown dtype name.
@@ -122,6 +123,12 @@ class EngineCore:
         check_max_model_len_fits(num_blocks, cache.block_size, max_model_len,
                                  kv_memory_hint(cache, engine_config.device_config.device),
                                  cache.sliding_window_group, sched_cfg.max_num_batched_tokens)
+        if engine_config.device_config.device == "cpu":
+            # The CPU cache is committed lazily (worker/kv_cache.py), so an oversized one must fail here, not
+            # later under load. Weights are loaded by now, so the available memory figure excludes them.
+            from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
+
+            check_cpu_kv_cache_fits(num_blocks * kv_cache_bytes_per_block(engine_config), host_available_bytes())
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         if sched_cfg.async_scheduling and not self.executor.supports_async:

@@ -13,13 +13,25 @@ weights are loaded:
     kv bytes = min(CPU_KV_FRACTION * available, CPU_KV_CAP_BYTES)
 
 so a second server on the same machine sizes itself from what the first one
-left, instead of both taking a fixed 4 GiB and waking the OOM killer.
+left (what it has written of its KV cache so far, see below), instead of both
+taking a fixed 4 GiB and waking the OOM killer.
+
+The CPU KV cache is allocated zero-filled but uncommitted (`lazy_zeros`: an
+anonymous private mmap on Linux), so its pages become resident only as blocks
+are first written. A cache larger than the memory available at start would
+then fail under load instead of at start, so `check_cpu_kv_cache_fits`
+refuses it at start-up.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import sys
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +75,69 @@ def cgroup_available_bytes(root: str = "/") -> int | None:
     return None
 
 
-def default_cpu_kv_cache_bytes(root: str = "/") -> int:
-    """The CPU KV cache size when --kv-cache-memory-bytes is not given (see module docstring); logs the choice."""
+def host_available_bytes(root: str = "/") -> tuple[int, str] | None:
+    """The memory this process may still use in bytes and where the figure comes from ("MemAvailable" or
+    "the cgroup memory limit"): the smaller of the two (module docstring), or None when neither can be read."""
     host = mem_available_bytes(root)
     cgroup = cgroup_available_bytes(root)
     known = [x for x in (host, cgroup) if x is not None]
     if not known:
+        return None
+    available = min(known)
+    return available, "the cgroup memory limit" if cgroup is not None and cgroup == available else "MemAvailable"
+
+
+def check_cpu_kv_cache_fits(kv_bytes: int, available: tuple[int, str] | None) -> None:
+    """Refuse a CPU KV cache of `kv_bytes` bytes (all workers of this host together) larger than the memory
+    `available` at start (`host_available_bytes`; None: unknown, nothing is checked).
+
+    The cache's pages are committed lazily (`lazy_zeros`), so without this check an oversized cache would start
+    and then be OOM-killed once enough blocks are written.
+
+    Raises:
+        ValueError: naming both sizes and --kv-cache-memory-bytes.
+    """
+    if available is None or kv_bytes <= available[0]:
+        return
+    free, source = available
+    raise ValueError(
+        f"The CPU KV cache needs {kv_bytes} bytes ({kv_bytes / 2**30:.2f} GiB) but only {free} bytes "
+        f"({free / 2**30:.2f} GiB) of memory are available ({source}); pass a smaller --kv-cache-memory-bytes "
+        f"(or leave it unset: the default takes {CPU_KV_FRACTION:g} x the available memory).")
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled, contiguous, writable CPU tensor of `shape` and `dtype` whose memory is committed on first
+    touch: on Linux an anonymous private mmap, which the kernel maps to its shared zero page until a page is
+    written (mmap(2)), so a large KV cache costs no time and no resident memory at start. Elsewhere, or when
+    mmap or `torch.frombuffer` refuses (no memory, a dtype it cannot view), `torch.zeros`.
+
+    The data is page-aligned (stricter than torch's 64 bytes). `torch.frombuffer` holds a reference to the mmap,
+    which is unmapped when the last tensor or view of it is freed.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0 or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+    except (TypeError, ValueError, RuntimeError):
+        buf.close()
+        return torch.zeros(shape, dtype=dtype)
+
+
+def default_cpu_kv_cache_bytes(root: str = "/") -> int:
+    """The CPU KV cache size when --kv-cache-memory-bytes is not given (see module docstring); logs the choice."""
+    known = host_available_bytes(root)
+    if known is None:
         logger.info("KV cache: %.2f GiB (available memory unknown; set --kv-cache-memory-bytes to choose)",
                     CPU_KV_FALLBACK_BYTES / 2**30)
         return CPU_KV_FALLBACK_BYTES
-    available = min(known)
-    source = "the cgroup memory limit" if cgroup is not None and cgroup == available else "MemAvailable"
+    available, source = known
     budget = min(int(CPU_KV_FRACTION * available), CPU_KV_CAP_BYTES)
     logger.info("KV cache: %.2f GiB = %g x %.2f GiB available (%s)%s; set --kv-cache-memory-bytes to choose",
                 budget / 2**30, CPU_KV_FRACTION, available / 2**30, source,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tokenmill.dtypes import dtype_bytes
+from tokenmill.platforms.memory import lazy_zeros
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -165,15 +166,25 @@ def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: 
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """Zeroed caches, one per layer of this stage (list indexed by global layer index). Zeros (not `empty`) matter: attention reads
-    whole blocks and masks the unused slots, and NaN garbage there would leak
-    through `0 * NaN` in the softmax-weighted sum."""
+    """Zeroed caches, one per layer of this stage (list indexed by global layer index). Zeros (not `empty`)
+    matter: attention reads whole blocks and masks the unused slots, and NaN garbage there would leak through
+    `0 * NaN` in the softmax-weighted sum.
+
+    On CPU the zeros come from `platforms.memory.lazy_zeros` (an anonymous mmap on Linux): no time at start,
+    and resident memory grows only as blocks are first written; the engine core has checked that the whole
+    cache fits in the memory available (`platforms.memory.check_cpu_kv_cache_fits`)."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def zeros() -> torch.Tensor:
+        if torch.device(device).type == "cpu":
+            return lazy_zeros(shape, spec.dtype)
+        return torch.zeros(shape, dtype=spec.dtype, device=device)
+
     if spec.swa_layers:  # the k-th sliding-window layer shares the k-th full-attention layer's tensor
         caches: list[torch.Tensor] = [torch.empty(0)] * spec.num_layers
         for full, swa in zip(spec.full_layers, spec.swa_layers, strict=True):
-            caches[full] = caches[swa] = torch.zeros(shape, dtype=spec.dtype, device=device)
+            caches[full] = caches[swa] = zeros()
         return caches
     # Layers of earlier pipeline stages get empty placeholders so `kv_caches[layer_idx]` stays global.
     placeholders = [torch.empty(0, dtype=spec.dtype, device=device) for _ in range(spec.first_layer)]
-    return placeholders + [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return placeholders + [zeros() for _ in range(spec.num_layers)]

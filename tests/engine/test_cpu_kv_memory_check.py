@@ -1,0 +1,45 @@
+"""A CPU KV cache larger than the memory available at start is refused at start-up, not under load.
+
+The cache's pages are committed lazily (worker/kv_cache.py), so without the engine core's check
+(`platforms.memory.check_cpu_kv_cache_fits`) an oversized --kv-cache-memory-bytes would start and be
+OOM-killed later. Model: a dummy-weight Llama, float32, 8 KiB per 16-token block over its 2 layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from tokenmill import LLM
+from tokenmill.platforms import memory
+
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4
+KV_BYTES = 64 * BLOCK_BYTES
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("kv_mem_llama")
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"],
+                ).save_pretrained(folder)
+    return str(folder)
+
+
+def _start(model_dir: str) -> LLM:
+    return LLM(model=model_dir, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True,
+               block_size=16, kv_cache_memory_bytes=KV_BYTES, max_model_len=256, max_num_seqs=2)
+
+
+def test_kv_cache_larger_than_available_memory_fails_at_start(model_dir, monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (KV_BYTES - 1, "MemAvailable"))
+    expected = rf"needs {KV_BYTES} bytes .* but only {KV_BYTES - 1} bytes .*--kv-cache-memory-bytes"
+    with pytest.raises(ValueError, match=expected):
+        _start(model_dir)
+
+
+def test_kv_cache_that_fits_starts(model_dir, monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (KV_BYTES, "MemAvailable"))
+    llm = _start(model_dir)
+    assert llm.llm_engine.engine_config.cache_config.num_gpu_blocks == 64
+    llm.llm_engine.shutdown()
