@@ -157,3 +157,10 @@ def test_kv_cache_memory_bytes_too_small_fails_before_the_model_loads(smollm2_gg
     with pytest.raises(ValueError, match="largest max_model_len that fits is 80; pass --max-model-len 80"):
         EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=5 * 737280 + 100),
                    executor_class=NeverBuilt)
+    # On CPU, more than the machine's available memory (the cache is committed lazily, as it fills).
+    from tokenmill.platforms.memory import host_available_bytes
+
+    too_big = host_available_bytes()[0] + 2**30
+    with pytest.raises(ValueError, match=rf"The CPU KV cache needs {too_big} bytes .* --kv-cache-memory-bytes"):
+        EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=too_big),
+                   executor_class=NeverBuilt)

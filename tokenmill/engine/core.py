@@ -64,15 +64,15 @@ def kv_cache_bytes_per_block(engine_config: EngineConfig) -> int:
 
 
 def _check_kv_bytes_before_loading(engine_config: EngineConfig) -> None:
-    """An explicit --kv-cache-memory-bytes too small for one max_model_len sequence fails here, before the
-    model loads, with the message the workers would give after loading.
+    """An explicit --kv-cache-memory-bytes too small for one max_model_len sequence, or on CPU larger than the
+    memory available, fails here, before the model loads, with the message the workers would give after loading.
 
     The busiest worker holds at least 1 / (tensor x pipeline parallel size) of a block (its share of the KV heads
     and layers), so the blocks counted here are at least as many as the engine gets: the check never refuses
     what would run.
 
     Raises:
-        ValueError: naming the largest max_model_len that fits and the flags that help.
+        ValueError: naming the largest max_model_len that fits and the flags that help, or both memory sizes.
     """
     from tokenmill.worker.kv_cache import check_max_model_len_fits
 
@@ -85,6 +85,11 @@ def _check_kv_bytes_before_loading(engine_config: EngineConfig) -> None:
                          f"model ({per_block / 2**20:.2f} MiB); raise it.")
     check_max_model_len_fits(num_blocks, cache.block_size, sched.max_model_len, hint, cache.sliding_window_group,
                              sched.max_num_batched_tokens)
+    if engine_config.device_config.device == "cpu":
+        # Also after loading (EngineCore.__init__), when the weights no longer count as available.
+        from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
+
+        check_cpu_kv_cache_fits(cache.kv_cache_memory_bytes, host_available_bytes())
 
 
 def _executor_class(engine_config: EngineConfig) -> type[Executor]:
