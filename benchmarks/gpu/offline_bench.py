@@ -626,7 +626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokenmill's --quantization, e.g. fp8 on a 16-bit config (FP8 weights quantized at load)")
     ap.add_argument("--skip-tokenmill", action="store_true", help="offline/short: the transformers baseline only")
     ap.add_argument("--force-cc70", action="store_true", help="simulate a V100: env TOKENMILL_FORCE_CC70=1")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: the engine's (vLLM's: 1024 on a GPU of >= 70 GiB, 256 on smaller ones and CPU); "
+                         "the offline figures in docs/benchmarks.md up to session 11 used 256")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=4096)
