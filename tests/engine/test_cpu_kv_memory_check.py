@@ -7,6 +7,8 @@ OOM-killed later. Model: a dummy-weight Llama, float32, 8 KiB per 16-token block
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from transformers import LlamaConfig
 
@@ -31,15 +33,28 @@ def _start(model_dir: str) -> LLM:
                block_size=16, kv_cache_memory_bytes=KV_BYTES, max_model_len=256, max_num_seqs=2)
 
 
+FITS = math.ceil(KV_BYTES / memory.CPU_KV_MAX_FRACTION)  # the least available memory that holds the cache
+
+
 def test_kv_cache_larger_than_available_memory_fails_at_start(model_dir, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (KV_BYTES - 1, "MemAvailable"))
-    expected = rf"needs {KV_BYTES} bytes .* but only {KV_BYTES - 1} bytes .*--kv-cache-memory-bytes"
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (FITS - 1, "MemAvailable"))
+    expected = rf"needs {KV_BYTES} bytes .* but only {FITS - 1} bytes .*--kv-cache-memory-bytes"
     with pytest.raises(ValueError, match=expected):
         _start(model_dir)
 
 
+def test_the_check_after_loading_counts_what_the_weights_took(model_dir, monkeypatch):
+    """Before loading the memory suffices; after it (the weights now resident) it does not: the second check,
+    over every worker's blocks, refuses."""
+    answers = iter([(10 * FITS, "MemAvailable"), (FITS - 1, "MemAvailable")])
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": next(answers))
+    with pytest.raises(ValueError, match=rf"needs {KV_BYTES} bytes .* but only {FITS - 1} bytes"):
+        _start(model_dir)
+    assert next(answers, None) is None  # both checks ran
+
+
 def test_kv_cache_that_fits_starts(model_dir, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (KV_BYTES, "MemAvailable"))
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (FITS, "MemAvailable"))
     llm = _start(model_dir)
     assert llm.llm_engine.engine_config.cache_config.num_gpu_blocks == 64
     llm.llm_engine.shutdown()

@@ -157,10 +157,17 @@ def test_kv_cache_memory_bytes_too_small_fails_before_the_model_loads(smollm2_gg
     with pytest.raises(ValueError, match="largest max_model_len that fits is 80; pass --max-model-len 80"):
         EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=5 * 737280 + 100),
                    executor_class=NeverBuilt)
-    # On CPU, more than the machine's available memory (the cache is committed lazily, as it fills).
-    from tokenmill.platforms.memory import host_available_bytes
 
-    too_big = host_available_bytes()[0] + 2**30
+def test_cpu_kv_cache_larger_than_the_memory_fails_before_the_model_loads(smollm2_gguf, monkeypatch):
+    """On CPU an explicit size over the available memory (the cache is committed lazily, as it fills)."""
+    from tokenmill.platforms import memory
+
+    class NeverBuilt:
+        def __init__(self, cfg):
+            raise AssertionError("the executor was made: the model would have loaded first")
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (8 * 2**30, "MemAvailable"))
+    too_big = 8 * 2**30
     with pytest.raises(ValueError, match=rf"The CPU KV cache needs {too_big} bytes .* --kv-cache-memory-bytes"):
         EngineCore(_engine_config(smollm2_gguf, max_model_len=128, kv_cache_memory_bytes=too_big),
                    executor_class=NeverBuilt)

@@ -16,6 +16,7 @@ from tokenmill.platforms.memory import (
     CPU_KV_FALLBACK_BYTES,
     CPU_KV_FRACTION,
     cgroup_available_bytes,
+    CPU_KV_MAX_FRACTION,
     check_cpu_kv_cache_fits,
     default_cpu_kv_cache_bytes,
     host_available_bytes,
@@ -106,14 +107,23 @@ def test_host_available_bytes_names_the_tighter_source(tmp_path):
 
 
 def test_kv_cache_larger_than_available_memory_is_refused_with_the_flag():
-    check_cpu_kv_cache_fits(4 * GiB, (4 * GiB, "MemAvailable"))  # exactly the available memory fits
+    check_cpu_kv_cache_fits(9 * GiB, (10 * GiB, "MemAvailable"))  # CPU_KV_MAX_FRACTION (0.9) of it fits
     check_cpu_kv_cache_fits(10**15, None)  # unknown memory: nothing to check against
     with pytest.raises(ValueError) as info:
-        check_cpu_kv_cache_fits(4 * GiB + 1, (4 * GiB, "the cgroup memory limit"))
+        check_cpu_kv_cache_fits(9 * GiB + 1, (10 * GiB, "the cgroup memory limit"))
     msg = str(info.value)
-    assert f"needs {4 * GiB + 1} bytes (4.00 GiB) but only {4 * GiB} bytes (4.00 GiB) of memory are available " \
+    assert f"needs {9 * GiB + 1} bytes (9.00 GiB) but only {10 * GiB} bytes (10.00 GiB) of memory are available " \
            "(the cgroup memory limit)" in msg, msg
-    assert "--kv-cache-memory-bytes" in msg, msg
+    assert CPU_KV_MAX_FRACTION == 0.9 and "--kv-cache-memory-bytes" in msg
+
+
+def test_default_kv_cache_is_shared_by_the_workers_of_the_host(tmp_path):
+    """Tensor x pipeline parallel workers on one host each take 1 / workers of the default, so together they
+    stay at CPU_KV_FRACTION of the available memory (and pass the start-up check)."""
+    root = _root(tmp_path, mem_available_kb=10 * 2**20)
+    one = default_cpu_kv_cache_bytes(root)
+    assert default_cpu_kv_cache_bytes(root, num_workers=4) == one // 4
+    check_cpu_kv_cache_fits(4 * (one // 4), host_available_bytes(root))
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -141,7 +151,11 @@ def test_lazy_zeros_memory_lives_as_long_as_the_tensor():
 
 
 def test_lazy_zeros_falls_back_to_torch_zeros_off_linux(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("mmap used off Linux")
+
     monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(mmap, "mmap", never)
     t = lazy_zeros((4, 5), torch.bfloat16)
     assert t.shape == (4, 5) and t.dtype == torch.bfloat16 and int(t.count_nonzero()) == 0
     t[1, 2] = 1.0

@@ -3,6 +3,9 @@ torch.zeros to the engine: shape, dtype, contiguity, zeros, writable, shared pai
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import pytest
 import torch
 
@@ -18,6 +21,8 @@ def test_cpu_caches_are_zeroed_writable_and_blocks_are_independent(dtype):
     assert len(caches) == 2 and caches[0].data_ptr() != caches[1].data_ptr()
     for c in caches:
         assert c.shape == (2, 5, 16, 2, 8) and c.dtype == dtype and c.device == CPU and c.is_contiguous()
+        if sys.platform == "linux":  # lazy_zeros' anonymous mmap (torch.zeros is only 64-byte aligned)
+            assert c.data_ptr() % mmap.PAGESIZE == 0
         assert int(c.view(torch.uint8).count_nonzero()) == 0
     caches[1][0, 3] = torch.ones(16, 2, 8).to(dtype)  # keys of block 3 in layer 1
     nonzero = [c.view(torch.uint8).ne(0).flatten(2).any(dim=2) for c in caches]  # [2, num_blocks] per layer

@@ -85,11 +85,19 @@ def _check_kv_bytes_before_loading(engine_config: EngineConfig) -> None:
                          f"model ({per_block / 2**20:.2f} MiB); raise it.")
     check_max_model_len_fits(num_blocks, cache.block_size, sched.max_model_len, hint, cache.sliding_window_group,
                              sched.max_num_batched_tokens)
-    if engine_config.device_config.device == "cpu":
-        # Also after loading (EngineCore.__init__), when the weights no longer count as available.
-        from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
+    # Also after loading (EngineCore.__init__), when the weights no longer count as available.
+    _check_cpu_kv_fits(engine_config, cache.kv_cache_memory_bytes * engine_config.parallel_config.world_size)
 
-        check_cpu_kv_cache_fits(cache.kv_cache_memory_bytes, host_available_bytes())
+
+def _check_cpu_kv_fits(engine_config: EngineConfig, total_bytes: int) -> None:
+    """On CPU, refuse KV caches of `total_bytes` (all workers) that this host's available memory cannot hold
+    (`platforms.memory.check_cpu_kv_cache_fits`: they are committed lazily, so they would fail under load).
+    Not under Ray, whose workers may sit on other hosts."""
+    if engine_config.device_config.device != "cpu" or engine_config.parallel_config.distributed_executor_backend == "ray":
+        return
+    from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
+
+    check_cpu_kv_cache_fits(total_bytes, host_available_bytes())
 
 
 def _executor_class(engine_config: EngineConfig) -> type[Executor]:
@@ -128,12 +136,9 @@ class EngineCore:
         check_max_model_len_fits(num_blocks, cache.block_size, max_model_len,
                                  kv_memory_hint(cache, engine_config.device_config.device),
                                  cache.sliding_window_group, sched_cfg.max_num_batched_tokens)
-        if engine_config.device_config.device == "cpu":
-            # The CPU cache is committed lazily (worker/kv_cache.py), so an oversized one must fail here, not
-            # later under load. Weights are loaded by now, so the available memory figure excludes them.
-            from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
-
-            check_cpu_kv_cache_fits(num_blocks * kv_cache_bytes_per_block(engine_config), host_available_bytes())
+        # Weights are loaded by now, so the available memory excludes them; the blocks x whole-model block
+        # bytes are every worker's caches together.
+        _check_cpu_kv_fits(engine_config, num_blocks * kv_cache_bytes_per_block(engine_config))
         self.executor.initialize_kv_cache(num_blocks)
         cache.num_gpu_blocks = num_blocks
         if sched_cfg.async_scheduling and not self.executor.supports_async:

@@ -1,4 +1,5 @@
-"""How much host memory this process may still use, and the CPU KV cache's default size from it.
+"""Host memory for the CPU KV cache: how much this process may still use, the cache's default size and the
+start-up check, and the lazily committed allocation (`lazy_zeros`).
 
 Available memory is the smaller of:
 
@@ -10,7 +11,9 @@ Available memory is the smaller of:
 The CPU KV cache default (no --kv-cache-memory-bytes) is measured after the
 weights are loaded:
 
-    kv bytes = min(CPU_KV_FRACTION * available, CPU_KV_CAP_BYTES)
+    kv bytes per worker = min(CPU_KV_FRACTION * available, CPU_KV_CAP_BYTES) / workers
+
+(workers: the tensor x pipeline parallel ranks, all counted as on this host)
 
 so a second server on the same machine sizes itself from what the first one
 left (what it has written of its KV cache so far, see below), instead of both
@@ -20,7 +23,8 @@ The CPU KV cache is allocated zero-filled but uncommitted (`lazy_zeros`: an
 anonymous private mmap on Linux), so its pages become resident only as blocks
 are first written. A cache larger than the memory available at start would
 then fail under load instead of at start, so `check_cpu_kv_cache_fits`
-refuses it at start-up.
+refuses it at start-up: all workers' caches together may take at most
+CPU_KV_MAX_FRACTION of the available memory (the rest is for activations).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_FRACTION = 0.4  # of the memory still available: activations, the tokenizer and the OS need the rest
 CPU_KV_CAP_BYTES = 16 * 2**30
+CPU_KV_MAX_FRACTION = 0.9  # the largest share of the available memory an explicit size may take
 # Used when no memory figure can be read at all (not Linux): the old fixed default.
 CPU_KV_FALLBACK_BYTES = 4 * 2**30
 # A cgroup v1 "unlimited" limit is a page-rounded 2^63 - 1; anything this large is no limit.
@@ -88,8 +93,9 @@ def host_available_bytes(root: str = "/") -> tuple[int, str] | None:
 
 
 def check_cpu_kv_cache_fits(kv_bytes: int, available: tuple[int, str] | None) -> None:
-    """Refuse a CPU KV cache of `kv_bytes` bytes (all workers of this host together) larger than the memory
-    `available` at start (`host_available_bytes`; None: unknown, nothing is checked).
+    """Refuse a CPU KV cache of `kv_bytes` bytes (all workers of this host together) larger than
+    CPU_KV_MAX_FRACTION of the memory `available` at start (`host_available_bytes`; None: unknown, nothing is
+    checked).
 
     The cache's pages are committed lazily (`lazy_zeros`), so without this check an oversized cache would start
     and then be OOM-killed once enough blocks are written.
@@ -97,13 +103,14 @@ def check_cpu_kv_cache_fits(kv_bytes: int, available: tuple[int, str] | None) ->
     Raises:
         ValueError: naming both sizes and --kv-cache-memory-bytes.
     """
-    if available is None or kv_bytes <= available[0]:
+    if available is None or kv_bytes <= CPU_KV_MAX_FRACTION * available[0]:
         return
     free, source = available
     raise ValueError(
         f"The CPU KV cache needs {kv_bytes} bytes ({kv_bytes / 2**30:.2f} GiB) but only {free} bytes "
-        f"({free / 2**30:.2f} GiB) of memory are available ({source}); pass a smaller --kv-cache-memory-bytes "
-        f"(or leave it unset: the default takes {CPU_KV_FRACTION:g} x the available memory).")
+        f"({free / 2**30:.2f} GiB) of memory are available ({source}), and at most {CPU_KV_MAX_FRACTION:g} of it "
+        f"may hold the cache; pass a smaller --kv-cache-memory-bytes (it is per worker; or leave it unset: the "
+        f"default takes {CPU_KV_FRACTION:g} x the available memory, shared by the workers).")
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -130,16 +137,18 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
 
 
-def default_cpu_kv_cache_bytes(root: str = "/") -> int:
-    """The CPU KV cache size when --kv-cache-memory-bytes is not given (see module docstring); logs the choice."""
+def default_cpu_kv_cache_bytes(root: str = "/", num_workers: int = 1) -> int:
+    """One worker's CPU KV cache size when --kv-cache-memory-bytes is not given, `num_workers` (>= 1) sharing
+    this host (see module docstring); logs the choice."""
     known = host_available_bytes(root)
     if known is None:
         logger.info("KV cache: %.2f GiB (available memory unknown; set --kv-cache-memory-bytes to choose)",
                     CPU_KV_FALLBACK_BYTES / 2**30)
-        return CPU_KV_FALLBACK_BYTES
+        return CPU_KV_FALLBACK_BYTES // num_workers
     available, source = known
     budget = min(int(CPU_KV_FRACTION * available), CPU_KV_CAP_BYTES)
-    logger.info("KV cache: %.2f GiB = %g x %.2f GiB available (%s)%s; set --kv-cache-memory-bytes to choose",
+    logger.info("KV cache: %.2f GiB = %g x %.2f GiB available (%s)%s%s; set --kv-cache-memory-bytes to choose",
                 budget / 2**30, CPU_KV_FRACTION, available / 2**30, source,
-                f", capped at {CPU_KV_CAP_BYTES / 2**30:g} GiB" if budget == CPU_KV_CAP_BYTES else "")
-    return budget
+                f", capped at {CPU_KV_CAP_BYTES / 2**30:g} GiB" if budget == CPU_KV_CAP_BYTES else "",
+                f", shared by {num_workers} workers" if num_workers > 1 else "")
+    return budget // num_workers

@@ -116,7 +116,7 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type != "cuda":
-            budget = default_cpu_kv_cache_bytes()
+            budget = default_cpu_kv_cache_bytes(num_workers=self.config.parallel_config.world_size)
         else:
             budget = self._profile_free_cuda_memory()
         num_blocks = int(budget // per_block)
