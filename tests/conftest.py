@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +22,10 @@ if not torch.cuda.is_available():
 # `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile`): each test file runs on one worker, so
 # its module fixtures are built once. A session fixture is built once per worker that uses it, so the files
 # that name a costly one (in their source) also share a worker: the two e2e servers, the sm_70/sm_90
-# compile subprocess, transformers' SmolLM2 reference. (xdist's own `xdist_group` marker does not group
+# compile subprocess, transformers' SmolLM2 reference, and the Gemma 3 GGUF (its package assembles the file
+# in place in a shared cache folder: two workers at once could read a half-written file). (xdist's own `xdist_group` marker does not group
 # under pytest 9.2, which no longer reads the node id xdist rewrites.)
-SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2")
+SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2", "gemma3_gguf")
 
 
 def _file_group(path: str, rootdir: str, cache: dict[str, str]) -> str:
@@ -31,7 +33,7 @@ def _file_group(path: str, rootdir: str, cache: dict[str, str]) -> str:
     source names, else the file itself."""
     if path not in cache:
         try:
-            text = open(os.path.join(rootdir, path), encoding="utf-8").read()
+            text = Path(rootdir, path).read_text(encoding="utf-8")
         except OSError:
             text = ""
         cache[path] = next((f for f in SHARED_SESSION_FIXTURES if f in text), path)

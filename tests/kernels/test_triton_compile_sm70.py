@@ -61,9 +61,10 @@ SCRIPT = textwrap.dedent(
         # Attention, window + softcap on. sm_70 (fp16): decode tiles at head_dim 128 on the
         # split-KV path (16-bit and e4m3 caches), and the largest prefill tiles (head_dim 256);
         # sm_90: prefill tiles at head_dim 128 (fp16), and bf16 decode tiles over an e5m2 cache.
-        # The two launches of a mixed step (ROLE 1 decode tiles, ROLE 2 prefill tiles) on sm_90.
+        # The two launches of a mixed step (ROLE 1 decode tiles, ROLE 2 prefill tiles) on both.
         # (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
-        shapes = (((1, 128, 4, 0, 0), (1, 128, 4, 1, 0), (512, 256, 1, 0, 0)) if cc == 70
+        shapes = (((1, 128, 4, 0, 0), (1, 128, 4, 1, 0), (512, 256, 1, 0, 0), (1, 128, 1, 0, 1), (512, 128, 1, 0, 2))
+                  if cc == 70
                   else ((512, 128, 1, 0, 0), (1, 128, 4, 2, 0), (1, 128, 1, 0, 1), (512, 128, 1, 2, 2)))
         for max_q, head_dim, splits, kv_fp8, role in shapes:
             act = "*bf16" if cc == 90 and kv_fp8 else "*fp16"
@@ -128,7 +129,8 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
                    "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("kv_write", 70), ("kv_write_e4m3", 70), ("kv_write_e5m2", 70), ("merge_splits", 70), ("attention_q1_d128", 70),
-        ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
+        ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("attention_q1_d128_decode_role", 70),
+        ("attention_q512_d128_prefill_role", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
         ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90), ("attention_q1_d128_decode_role", 90),
         ("attention_q512_d128_e5m2_prefill_role", 90)
     ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]

@@ -1,8 +1,9 @@
 """TRITON_ATTN: paged attention with the Triton kernels (CUDA cc >= 7.0, ROCm).
 
-`forward` launches two kernels on the current stream and nothing else: the
+`forward` launches its kernels on the current stream and nothing else: the
 KV write (`kernels.reshape_and_cache`) then the varlen paged attention
-(`kernels.paged_attention`; plus a split-merge kernel for small decode
+(`kernels.paged_attention`: one launch, or two in a step with prefill tokens,
+the decodes with their own tiles; plus a split-merge kernel for small decode
 batches). Grid sizes come from host ints already in the
 metadata (num_reqs, max_query_len) and tensor shapes, never from `.item()`,
 and the only allocation is the output (shape fixed by num_tokens), so decode

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11 (H200), three calls in quick succession: bash visit.sh a|b|c [budget_s].
+# Session 11 (H200). Visit 1: bash visit.sh a|b|c|d [budget_s], calls in quick succession; visit 2: e, then f.
 # a: start the llama.cpp CUDA build (benchmarks/peers/gpu_peer.sh build, niced, in the background) and, beside
 #    it, the GPU tests never run on a GPU: the chunked-prefill-beside-decodes graph test ([48]), the mixed-step
 #    sync test, the FP8 GEMV test, the FP8 MoE checkpoint test under W8A8; then wait for the build.
