@@ -45,6 +45,18 @@ def test_bad_engine_argument_exits_1_with_the_sentence(capsys):
     assert err.startswith("Error: ") and "--max-num-seqs" in err
 
 
+@pytest.mark.parametrize("flag, value, words", [
+    ("--kv-cache-memory-bytes", "12x", "Cannot read '12x' as a size in bytes; use e.g. 4G"),
+    ("--max-model-len", "-5", "cannot read '-5' as a token count; use e.g. 4096, 32k"),
+    ("--max-num-batched-tokens", "lots", "cannot read 'lots' as a token count")])
+def test_unreadable_sizes_exit_2_with_the_sentence(flag, value, words, capsys):
+    """argparse keeps only an ArgumentTypeError's message: the sentence, not the type function's name."""
+    with pytest.raises(SystemExit) as exc:
+        make_parser().parse_args(["serve", flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: {words}" in capsys.readouterr().err
+
+
 def test_conflicting_model_arguments_exit_2(capsys):
     assert main(["serve", "a", "--model", "b"]) == 2
     assert "two different models" in capsys.readouterr().err

@@ -110,7 +110,7 @@ class EngineArgs:
                        help="auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: the KV cache in 8 bits (about 2x "
                             "the tokens of a 16-bit cache), scaled per layer by the checkpoint's k_scale / v_scale "
                             "(1.0 without them); docs/quantization.md.")
-        g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
+        g.add_argument("--kv-cache-memory-bytes", type=_byte_size, default=None,
                        help="KV cache size, e.g. 4G (CPU default: 0.4 x the memory available after loading the "
                             "weights, cgroup limit included, at most 16 GiB; on GPU overrides "
                             "--gpu-memory-utilization).")
@@ -179,4 +179,16 @@ class EngineArgs:
 
 
 def _int_or_size(value: str) -> int:
-    return parse_size(value)
+    """A token count, also as `32k` / `128K` (vLLM's human-readable ints); argparse prints the sentence."""
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r} as a token count; use e.g. 4096, 32k or 128K.") from None
+
+
+def _byte_size(value: str) -> int:
+    """A byte count (`parse_size`); argparse prints its sentence (it drops a plain ValueError's message)."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
