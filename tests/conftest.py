@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 # its module fixtures are built once. A session fixture is built once per worker that uses it, so the files
 # that name a costly one (in their source) also share a worker: the two e2e servers, the sm_70/sm_90
 # compile subprocess, transformers' SmolLM2 reference, and the Gemma 3 GGUF (its package assembles the file
-# in place in a shared cache folder: two workers at once could read a half-written file). (xdist's own `xdist_group` marker does not group
-# under pytest 9.2, which no longer reads the node id xdist rewrites.)
+# in place in a shared cache folder: two workers at once could read a half-written file). xdist's own
+# `xdist_group` marker does not group under pytest 9.2, which no longer reads the node id xdist rewrites.
 SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2", "gemma3_gguf")
 
 

@@ -183,7 +183,8 @@ def _int_or_size(value: str) -> int:
     try:
         return parse_size(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read {value!r} as a token count; use e.g. 4096, 32k or 128K.") from None
+        message = f"cannot read {value!r} as a token count; use e.g. 4096, 32k or 128K."
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _byte_size(value: str) -> int:

@@ -93,7 +93,8 @@ def _check_cpu_kv_fits(engine_config: EngineConfig, total_bytes: int) -> None:
     """On CPU, refuse KV caches of `total_bytes` (all workers) that this host's available memory cannot hold
     (`platforms.memory.check_cpu_kv_cache_fits`: they are committed lazily, so they would fail under load).
     Not under Ray, whose workers may sit on other hosts."""
-    if engine_config.device_config.device != "cpu" or engine_config.parallel_config.distributed_executor_backend == "ray":
+    parallel = engine_config.parallel_config
+    if engine_config.device_config.device != "cpu" or parallel.distributed_executor_backend == "ray":
         return
     from tokenmill.platforms.memory import check_cpu_kv_cache_fits, host_available_bytes
 
