@@ -38,6 +38,18 @@ PROD_MAX_BODY_BYTES = 2**20
 AGENT_MAX_MODEL_LEN = 1024
 
 
+def no_keepalive(asynchronous: bool = False) -> Any:
+    """An httpx client for the `openai` test clients that keeps no idle connection: uvicorn closes a
+    connection idle for 5 s (`timeout_keep_alive`), and a client reusing it at that moment gets "Server
+    disconnected without sending a response" (seen with two busy test workers). The test clients make no
+    retries (`max_retries=0`), so that race would fail a test; real clients retry it."""
+    import httpx2
+    import openai
+
+    limits = httpx2.Limits(max_connections=1000, max_keepalive_connections=0)
+    return (openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient)(limits=limits)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from optional_deps import require
+from server_harness import no_keepalive
 
 openai = require("openai")
 jsonschema = require("jsonschema")
@@ -29,7 +30,8 @@ _MAX_TOKENS = 160
 @pytest.fixture(scope="module")
 def client(agent_server):
     """The openai client of the session's `agent_server` (conftest.py)."""
-    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="none",
+                         http_client=no_keepalive(), max_retries=0, timeout=300)
 
 
 def _schemas() -> list[dict[str, Any]]:

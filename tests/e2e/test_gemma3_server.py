@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from optional_deps import require
-from server_harness import running_server
+from server_harness import no_keepalive, running_server
 
 openai = require("openai")
 
@@ -27,7 +27,8 @@ MAX_TOKENS = 8
 def gemma_client(gemma3_gguf, tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("gemma_server"), [
             gemma3_gguf, "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]) as srv:
-        yield openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused",
+                            http_client=no_keepalive(), max_retries=0, timeout=300)
 
 
 def _create(client, **kwargs):

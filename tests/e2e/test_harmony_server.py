@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints" / "ha
 from test_harmony_format import AFTER_TOOL_RESULT, REASONING_THEN_FINAL, TOOL_CALL  # noqa: E402
 
 from scripted_harmony import sitecustomize_source, write_model_dir  # noqa: E402
-from server_harness import API_KEY, ServerProcess  # noqa: E402
+from server_harness import API_KEY, ServerProcess, no_keepalive  # noqa: E402
 
 MODEL = "scripted-gpt-oss"
 TOOLS = [{"type": "function", "function": {
@@ -62,7 +62,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY,
+                         http_client=no_keepalive(), max_retries=0, timeout=120)
 
 
 def test_chat_reasoning_then_final(client) -> None:

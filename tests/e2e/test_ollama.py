@@ -24,7 +24,10 @@ OPTIONS = {"temperature": 0, "num_predict": 8, "top_k": 40, "top_p": 0.9, "seed"
 
 @pytest.fixture(scope="module")
 def client(prod_server):
-    return ollama.Client(host=prod_server.base, headers=AUTH)
+    # No kept-alive connections (server_harness.no_keepalive says why); `limits` goes to its httpx client.
+    import httpx
+
+    return ollama.Client(host=prod_server.base, headers=AUTH, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import time
 
 import pytest
 from optional_deps import require
-from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess, http
+from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess, http, no_keepalive
 
 openai = require("openai")
 prom_parser = require("prometheus_client.parser", "prometheus-client")
@@ -32,7 +32,8 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def client(prod_server):
-    return openai.OpenAI(base_url=f"{prod_server.base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{prod_server.base}/v1", api_key=API_KEY,
+                         http_client=no_keepalive(), max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,7 @@ def test_open_routes_need_no_key(prod_server, path):
 
 
 def test_openai_client_with_a_wrong_key_gets_authentication_error(prod_server, model):
-    bad = openai.OpenAI(base_url=f"{prod_server.base}/v1", api_key="nope", max_retries=0)
+    bad = openai.OpenAI(base_url=f"{prod_server.base}/v1", api_key="nope", http_client=no_keepalive(), max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=model, prompt="Hi", max_tokens=1)
 

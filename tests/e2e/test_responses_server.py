@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_harness import API_KEY, http
+from server_harness import API_KEY, http, no_keepalive
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -27,7 +27,8 @@ class _Client:
     """The openai client's Responses API with this server's model name filled in."""
 
     def __init__(self, base: str) -> None:
-        self.raw = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=180)
+        self.raw = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY,
+                                 http_client=no_keepalive(), max_retries=0, timeout=180)
         self.model = self.raw.models.list().data[0].id
 
     def create(self, **kwargs):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from optional_deps import require
-from server_harness import AGENT_MAX_MODEL_LEN, http
+from server_harness import AGENT_MAX_MODEL_LEN, http, no_keepalive
 
 openai = require("openai")
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def client(agent_server):
-    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{agent_server.base}/v1", api_key="unused",
+                         http_client=no_keepalive(), max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import re
 import pytest
 import requests
 from openai import OpenAI
-from server_harness import V100_GUIDE_ARGS, ServerProcess
+from server_harness import V100_GUIDE_ARGS, ServerProcess, no_keepalive
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,8 @@ def server(tmp_path_factory):
 
 
 def test_openai_client_with_any_served_name_gets_the_first(server):
-    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused",
+                    http_client=no_keepalive(), max_retries=0, timeout=600)
     assert [m.id for m in client.models.list().data] == ["smol", "alias"]
     chat = client.chat.completions.create(model="alias", temperature=0, max_tokens=10,
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
