@@ -2,7 +2,8 @@
 
 The cache's pages are committed lazily (worker/kv_cache.py), so without the engine core's check
 (`platforms.memory.check_cpu_kv_cache_fits`) an oversized --kv-cache-memory-bytes would start and be
-OOM-killed later. Model: a dummy-weight Llama, float32, 8 KiB per 16-token block over its 2 layers.
+OOM-killed later. Model: the shared tiny dummy-weight Llama (`tiny_dir`), float32, 4 KiB per 16-token block
+over its 2 layers (2 KV heads of 8 dims).
 """
 
 from __future__ import annotations
@@ -10,22 +11,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from transformers import LlamaConfig
 
 from tokenmill import LLM
 from tokenmill.platforms import memory
 
-BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 8 * 4  # tokens x (K, V) x layers x kv heads x head dim x float32
 KV_BYTES = 64 * BLOCK_BYTES
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("kv_mem_llama")
-    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"],
-                ).save_pretrained(folder)
-    return str(folder)
 
 
 def _start(model_dir: str) -> LLM:
@@ -36,25 +27,25 @@ def _start(model_dir: str) -> LLM:
 FITS = math.ceil(KV_BYTES / memory.CPU_KV_MAX_FRACTION)  # the least available memory that holds the cache
 
 
-def test_kv_cache_larger_than_available_memory_fails_at_start(model_dir, monkeypatch):
+def test_kv_cache_larger_than_available_memory_fails_at_start(tiny_dir, monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (FITS - 1, "MemAvailable"))
     expected = rf"needs {KV_BYTES} bytes .* but only {FITS - 1} bytes .*--kv-cache-memory-bytes"
     with pytest.raises(ValueError, match=expected):
-        _start(model_dir)
+        _start(tiny_dir)
 
 
-def test_the_check_after_loading_counts_what_the_weights_took(model_dir, monkeypatch):
+def test_the_check_after_loading_counts_what_the_weights_took(tiny_dir, monkeypatch):
     """Before loading the memory suffices; after it (the weights now resident) it does not: the second check,
     over every worker's blocks, refuses."""
     answers = iter([(10 * FITS, "MemAvailable"), (FITS - 1, "MemAvailable")])
     monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": next(answers))
     with pytest.raises(ValueError, match=rf"needs {KV_BYTES} bytes .* but only {FITS - 1} bytes"):
-        _start(model_dir)
+        _start(tiny_dir)
     assert next(answers, None) is None  # both checks ran
 
 
-def test_kv_cache_that_fits_starts(model_dir, monkeypatch):
+def test_kv_cache_that_fits_starts(tiny_dir, monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda root="/": (FITS, "MemAvailable"))
-    llm = _start(model_dir)
+    llm = _start(tiny_dir)
     assert llm.llm_engine.engine_config.cache_config.num_gpu_blocks == 64
     llm.llm_engine.shutdown()
