@@ -113,6 +113,28 @@ def test_hub_failure_is_a_value_error(monkeypatch):
         resolve_model_source("org/model")
 
 
+def test_unreachable_hub_is_one_sentence_with_the_way_out(monkeypatch):
+    """No network (the fresh-user trial: `tokenmill serve nonexistent/model` printed the Hub's two sentences)."""
+    import huggingface_hub
+
+    def fail(repo_id, **kwargs):
+        try:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        except ConnectionError as e:
+            raise huggingface_hub.errors.LocalEntryNotFoundError(
+                "An error happened while trying to locate the files on the Hub and we cannot find the appropriate "
+                "snapshot folder for the specified revision on the local disk.\nPlease check your internet "
+                "connection and try again.") from e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    with pytest.raises(ValueError) as info:
+        resolve_model_source("org/model")
+    msg = str(info.value)
+    assert msg == ("Could not download 'org/model' from the Hugging Face Hub: it is not a local path, not in the "
+                   "local Hub cache, and the Hub cannot be reached (LocalEntryNotFoundError); pass a local model "
+                   "folder or .gguf file.")
+
+
 def test_modelscope_without_package(monkeypatch):
     import builtins
 

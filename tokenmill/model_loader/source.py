@@ -129,7 +129,28 @@ def _download_hf(repo_id: str, revision: str | None, download_dir: str | None, q
     try:
         return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns)
     except Exception as e:  # network, auth, not found: all surface as one readable error
-        raise ValueError(f"Could not download {repo_id!r} from the Hugging Face Hub: {e}") from e
+        raise ValueError(_hub_failure(repo_id, e)) from e
+
+
+# Exception type names (anywhere in the cause chain) meaning the Hub could not be reached and the files are not
+# in the local cache: huggingface_hub's LocalEntryNotFoundError, httpx's and requests' connection errors.
+_UNREACHABLE = {"LocalEntryNotFoundError", "ConnectError", "ConnectionError", "ConnectTimeout", "OfflineModeIsEnabled"}
+
+
+def _hub_failure(repo_id: str, error: BaseException) -> str:
+    """One sentence for a failed Hub download: the Hub unreachable (no network, HF_HUB_OFFLINE) names the
+    way out; any other failure (not found, gated, auth) keeps the first line of the Hub's message."""
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(type(x).__name__ in _UNREACHABLE for x in chain):
+        return (f"Could not download {repo_id!r} from the Hugging Face Hub: it is not a local path, not in the "
+                f"local Hub cache, and the Hub cannot be reached ({type(error).__name__}); pass a local model folder "
+                f"or .gguf file.")
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return f"Could not download {repo_id!r} from the Hugging Face Hub: {first}"
 
 
 def _download_modelscope(repo_id: str, revision: str | None, download_dir: str | None) -> str:
