@@ -279,7 +279,7 @@ def run_tokenmill(args: argparse.Namespace, workload: Workload, warmups: list[Wo
         tokenmill_generate(llm, recorder, warmup)
     warm_s = time.perf_counter() - t0
     if args.profile_offline_steps:
-        recorder.profile_window = (1000, args.profile_offline_steps)
+        recorder.profile_window = (args.profile_offline_first, args.profile_offline_steps)
     result = tokenmill_generate(llm, recorder, workload, progress_every=500)
     result.update(startup_s=startup, warmup_s=warm_s, engine=facts)
     print(f"tokenmill: {result['output_tokens']} output tokens in {result['elapsed_s']:.1f} s = "
@@ -616,7 +616,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tpot-output", type=int, default=256)
     ap.add_argument("--profile-steps", type=int, default=16, help="tpot: decode steps under torch.profiler")
     ap.add_argument("--profile-offline-steps", type=int, default=0,
-                    help="offline: profile this many steps from step 1000 (kernel table; those steps run slower)")
+                    help="offline: profile this many steps from --profile-offline-first (kernel table; those steps run slower)")
+    ap.add_argument("--profile-offline-first", type=int, default=1000,
+                    help="offline: the first of the --profile-offline-steps steps (default 1000: the tail; ~200: full batches)")
     ap.add_argument("--host-profile", action="store_true",
                     help="tpot: TTFT of 6 fresh prompts, then one prefill step under cProfile (host functions)")
     ap.add_argument("--warmup-prompts", type=int, default=64, help="offline/short: prompts per warm-up generate (two of them)")
@@ -639,6 +641,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="one KV group: full-length KV on sliding-window layers too (gpt-oss: capacity without the "
                          "window saving)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--override", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant before the engine is built (A/B of a kernel threshold); repeatable")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--git-commit", default=None, help="recorded commit when the copy has no .git (default: git)")
     args = ap.parse_args(argv)
@@ -657,9 +661,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def apply_overrides(items: list[str]) -> None:
+    """--override MODULE.NAME=VALUE: set a module constant (a kernel threshold, say) before the engine is built.
+
+    VALUE is a Python literal. For A/B runs of one setting without an env switch; the engine runs in this process
+    (one GPU), so the worker sees the change. Raises ValueError for a malformed item or a name the module lacks.
+    """
+    import ast
+    import importlib
+
+    for item in items:
+        target, sep, value = item.partition("=")
+        mod_name, _, name = target.rpartition(".")
+        if not sep or not mod_name:
+            raise ValueError(f"--override {item!r}: expected MODULE.NAME=VALUE")
+        mod = importlib.import_module(mod_name)
+        if not hasattr(mod, name):
+            raise ValueError(f"--override {item!r}: {mod_name} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        print(f"override: {mod_name}.{name} = {getattr(mod, name)!r}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run one part; print its table; write --json-out. Returns the report (the JSON's content)."""
     args = parse_args(argv)
+    apply_overrides(args.override)
     vocab = int(json.loads(Path(args.config).read_text())["vocab_size"])
     report: dict[str, Any] = {"part": args.part, "config": str(args.config), "args": vars(args), "env": environment(args.git_commit)}
     t0 = time.perf_counter()

@@ -112,3 +112,15 @@ def test_skip_tokenmill_runs_only_the_baseline(bench, common, tmp_path, capsys):
     assert "tokenmill" not in data and "ratio" not in data
     assert data["hf"]["output_tokens"] == 3 * 4
     assert "| transformers (batch 64) | 3 |" in capsys.readouterr().out
+
+
+def test_override_sets_a_module_constant_and_refuses_unknown_names(bench, monkeypatch):
+    from tokenmill.kernels.triton import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "SCALED_MM_FAST_ACCUM", False)
+    bench.apply_overrides(["tokenmill.kernels.triton.fp8_gemm.SCALED_MM_FAST_ACCUM=True"])
+    assert fp8_gemm.SCALED_MM_FAST_ACCUM is True
+    with pytest.raises(ValueError, match="has no NO_SUCH_NAME"):
+        bench.apply_overrides(["tokenmill.kernels.triton.fp8_gemm.NO_SUCH_NAME=1"])
+    with pytest.raises(ValueError, match="MODULE.NAME=VALUE"):
+        bench.apply_overrides(["SCALED_MM_FAST_ACCUM"])

@@ -62,6 +62,9 @@ from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice,
 FP16_MAX = 65504.0
 SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
 LARGE_M_MIN = 1024  # W8A16 above this: dequantize + cuBLAS
+# torch._scaled_mm's use_fast_accum (W8A8 above SMALL_M_MAX): False promotes every 128-deep partial sum to
+# float32 (the module docstring's accumulation rule).
+SCALED_MM_FAST_ACCUM = False
 SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS above
 # M <= FP8_GEMV_M_MAX (every capability; per-tensor / per-channel weights that `fp8_gemv.gemv_supported` takes):
 # the FMA GEMV (`fp8_gemv.py`). Tiles by M's power of two: (block_n, words per step, warps, prefetch), chosen
@@ -394,7 +397,8 @@ def scaled_mm_rowwise(xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bia
         sb = sb.expand(1, n)
     sb = sb.contiguous()
     fuse = bias is None or bias.dtype == out_dtype
-    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sa, scale_b=sb, bias=bias if fuse else None, out_dtype=out_dtype)
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sa, scale_b=sb, bias=bias if fuse else None, out_dtype=out_dtype,
+                         use_fast_accum=SCALED_MM_FAST_ACCUM)
     return y if fuse else (y.float() + bias.float()).to(out_dtype)
 
 
