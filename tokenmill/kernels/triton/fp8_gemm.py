@@ -31,7 +31,9 @@ any GPU) and M:
 Accumulation: fp8 dots run with `max_num_imprecise_acc=BLOCK_K`: on sm_90 Triton otherwise lets the
 fp8 wgmma accumulate the whole K loop in its reduced-precision (~14-bit) accumulator; capped, every
 BLOCK_K-deep (128) partial product is added into float32 (DeepSeek-V3's promotion interval). `_scaled_mm`
-runs with use_fast_accum=False (cuBLAS promotes likewise).
+(per-tensor / per-channel weights, M > SMALL_M_MAX) runs with fast accumulation (SCALED_MM_FAST_ACCUM), as
+vLLM's CUTLASS sm90 FP8 kernels for these scales do (their FP8FastAccum schedules): no promotion inside the
+K loop, ~10% more end-to-end throughput on the H200 (below). Block-scaled weights never take `_scaled_mm`.
 
 Split-K writes float32 partials [SPLIT_K, M, N] that `splitk.splitk_reduce_kernel` sums in a fixed order
 (+ bias, cast): no atomics, deterministic, no host sync. float16 outputs saturate at +-65504.
@@ -62,9 +64,12 @@ from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice,
 FP16_MAX = 65504.0
 SMALL_M_MAX = 16  # split-K 16-row tiles up to here (cc >= 8.0)
 LARGE_M_MIN = 1024  # W8A16 above this: dequantize + cuBLAS
-# torch._scaled_mm's use_fast_accum (W8A8 above SMALL_M_MAX): False promotes every 128-deep partial sum to
-# float32 (the module docstring's accumulation rule).
-SCALED_MM_FAST_ACCUM = False
+# torch._scaled_mm's use_fast_accum (W8A8 above SMALL_M_MAX). True since session 12 on the H200
+# (benchmarks/gpu/results/session12/visit2): per Llama-3.1-8B layer at M = 512 / 1024 / 4096, 203.7 / 381.5 /
+# 1486.1 us against 216.5 / 412.3 / 1620.4 with promotion (bf16 F.linear: 301.3 / 580.2 / 2528.6;
+# `python benchmarks/gpu/large_m_paths.py`); offline (1000 prompts, the FP8 checkpoint) 12,009 output tok/s
+# against 10,862. False promotes every 128-deep partial sum to float32.
+SCALED_MM_FAST_ACCUM = True
 SMALL_M_MAX_CC70 = 8  # cc < 8.0: float32 FMAs up to here, dequantize + cuBLAS above
 # M <= FP8_GEMV_M_MAX (every capability; per-tensor / per-channel weights that `fp8_gemv.gemv_supported` takes):
 # the FMA GEMV (`fp8_gemv.py`). Tiles by M's power of two: (block_n, words per step, warps, prefetch), chosen
