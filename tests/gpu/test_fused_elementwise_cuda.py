@@ -132,6 +132,19 @@ def test_act_and_mul(dtype, act, d, num_tokens):
         _close(f"{act} {dtype} T={num_tokens}", got, want, min_exact=0.9, abs_scale=want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_tokens", [1, 7, 256])
+def test_swiglu_oai(dtype, num_tokens):
+    """gpt-oss's clamped SwiGLU (expert intermediate 2880) vs its PyTorch CUDA ops; gates/ups past +-7."""
+    from tokenmill.kernels.moe_activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, act_and_mul
+    from tokenmill.kernels.triton.activation import swiglu_oai_and_mul
+
+    x = _randn(num_tokens, 2 * 2880, dtype=dtype, seed=9, scale=5)
+    got = swiglu_oai_and_mul(x, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+    want = act_and_mul(x, "swigluoai")
+    _close(f"swigluoai {dtype} T={num_tokens}", got, want, abs_scale=want.abs().max().item())
+
+
 def test_disable_env_keeps_torch_ops(monkeypatch):
     from tokenmill.kernels import _fused_kernels_available, use_fused_kernels
     from tokenmill.layers.activation import SiluAndMul

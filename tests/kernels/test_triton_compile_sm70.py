@@ -99,6 +99,8 @@ SCRIPT = textwrap.dedent(
             ("silu_and_mul", act_and_mul_kernel, 4, (), dict(ACT=0, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
             ("gelu_tanh_and_mul", act_and_mul_kernel, 4, (), dict(ACT=1, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
             ("gelu_erf_and_mul", act_and_mul_kernel, 4, (), dict(ACT=2, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024)),
+            ("swiglu_oai_and_mul", act_and_mul_kernel, 4, (),
+             dict(ACT=3, ROUND=rnd, USE_LIBDEVICE=True, BLOCK_D=1024, ALPHA=1.702, LIMIT=7.0)),
         ]
         for name, kernel, warps, floats, cx in variants:
             ptrs = {n: act_ty for n in kernel.arg_names if n.endswith("_ptr")}
@@ -126,7 +128,7 @@ SCRIPT = textwrap.dedent(
 def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
     results = compiled_kernels(__name__)  # SCRIPT, run with the other compile checks
     elementwise = ["rms_norm_add_d4096", "rms_norm_gemma_heads_d128", "rotary_neox_d128", "rotary_gptj_partial_d80",
-                   "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul"]
+                   "silu_and_mul", "gelu_tanh_and_mul", "gelu_erf_and_mul", "swiglu_oai_and_mul"]
     assert [(r["kernel"], r["cc"]) for r in results] == [
         ("kv_write", 70), ("kv_write_e4m3", 70), ("kv_write_e5m2", 70), ("merge_splits", 70), ("attention_q1_d128", 70),
         ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("attention_q1_d128_decode_role", 70),

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from tokenmill import kernels
 from tokenmill.kernels import _fused_kernels_available, use_fused_kernels
-from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul
+from tokenmill.kernels.moe_activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, act_and_mul
+from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul, swiglu_oai_and_mul
 from tokenmill.kernels.triton.numerics import round_code, round_to
 from tokenmill.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from tokenmill.kernels.triton.rotary import rotary_embedding
@@ -238,6 +239,31 @@ def test_act_and_mul(dtype, act):
             # (a few % of 16-bit outputs differ): bound it absolutely. On CUDA both use libdevice-grade
             # tanhf/erff (tests/gpu/test_fused_elementwise_cuda.py is stricter).
             _close(fused(inp), want, abs_scale=want.abs().max().item(), min_exact=0.8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_swiglu_oai_matches_the_torch_formula(dtype):
+    """gpt-oss's clamped SwiGLU (the fused MoE's "swigluoai"): gates and ups spread past the +-7 limit."""
+    d = 40
+    x = (_randn(6, 2 * d + 8, dtype=dtype, seed=14) * 6).to(DEVICE)[:, : 2 * d]
+    x3 = (_randn(2, 3, 2 * d, dtype=dtype, seed=15) * 6).to(DEVICE)
+    for inp in (x, x3):
+        assert (inp[..., :d].float() > SWIGLU_OAI_LIMIT).any() and (inp[..., d:].float() < -SWIGLU_OAI_LIMIT).any()
+        want = act_and_mul(inp, "swigluoai")
+        # sigmoid's exp: NumPy's in the interpreter, Sleef's in PyTorch's CPU kernel (an ulp apart), so a
+        # rounding may flip; bound absolutely by the largest output, as for GELU.
+        _close(swiglu_oai_and_mul(inp, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT), want,
+               abs_scale=want.abs().max().item(), min_exact=0.9)
+
+
+def test_expert_activation_takes_the_fused_swiglu_oai(monkeypatch):
+    from tokenmill.kernels.triton import activation, fused_moe
+
+    calls = []
+    monkeypatch.setattr(activation, "swiglu_oai_and_mul", lambda x, a, l: calls.append((a, l)) or x[..., : x.shape[-1] // 2])
+    monkeypatch.setattr(kernels, "use_fused_kernels", lambda t: True)
+    fused_moe.expert_activation(torch.ones(3, 8), "swigluoai")
+    assert calls == [(SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)]
 
 
 def test_act_and_mul_rejects_bad_inputs():

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.moe_activation import act_and_mul
+from tokenmill.kernels.moe_activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, act_and_mul
 # Re-exported: the quantized grouped GEMMs (fused_moe_quant / _mxfp4 / FP8) import the sort from here.
 from tokenmill.kernels.triton.moe_align import moe_align_block_size
 from tokenmill.kernels.triton.splitk import device_facts
@@ -265,14 +265,16 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch
 
 def expert_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of [P, 2I] rows in one launch where a Triton kernel has the same formula (silu, gelu
-    tanh: `triton/activation.py`, bit-equal to PyTorch on CUDA) unless the fused kernels are off
-    (`kernels.use_fused_kernels`: CPU tensors, TOKENMILL_DISABLE_FUSED_KERNELS); `moe_activation.act_and_mul`
-    otherwise."""
+    tanh, gpt-oss's swigluoai: `triton/activation.py`, bit-equal to PyTorch on CUDA) unless the fused kernels
+    are off (`kernels.use_fused_kernels`: CPU tensors, TOKENMILL_DISABLE_FUSED_KERNELS);
+    `moe_activation.act_and_mul` otherwise."""
     from tokenmill.kernels import use_fused_kernels
 
-    if activation in ("silu", "gelu") and gate_up.shape[0] and use_fused_kernels(gate_up):
-        from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul
+    if activation in ("silu", "gelu", "swigluoai") and gate_up.shape[0] and use_fused_kernels(gate_up):
+        from tokenmill.kernels.triton.activation import gelu_and_mul, silu_and_mul, swiglu_oai_and_mul
 
+        if activation == "swigluoai":
+            return swiglu_oai_and_mul(gate_up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
         return silu_and_mul(gate_up) if activation == "silu" else gelu_and_mul(gate_up, "tanh")
     return act_and_mul(gate_up, activation)
 
