@@ -15,6 +15,8 @@ calls, each on its own weight copy so weights come from HBM: `quant_gemm.graph_t
   q4          int4 group-128 with zero points as planned (`quant_linear`: dequantize + cuBLAS above LARGE_M_MIN)
   q4_tiled    the same with the Triton tiled tensor-core GEMM forced (large_m_min raised past M)
   q4_deq      dequantize once + cuBLAS alone (the planned large-M path, for reference)
+  q4_tc       the unpacking tensor-core GEMM (`quant_gemm_tc.py`) with its planned tiles (TC_TILES)
+  tc_64x256   the same with 64 x 256 x 32 tiles, 8 warps, 4 stages
 
 and a per-decoder-layer sum of the four linears. torch + triton only; W8A8 columns need cc >= 8.9.
 """
@@ -34,12 +36,13 @@ import torch.nn.functional as F
 from tokenmill.kernels import fp8
 from tokenmill.kernels.triton.fp8_gemm import fp8_linear_triton
 from tokenmill.kernels.triton.fp8_quant import quantize_fp8_triton
+from tokenmill.kernels.triton.quant_gemm_tc import quant_gemm_tc
 from tokenmill.kernels.triton.quant_linear import dequantize_weight, quant_linear
 
 from quant_gemm import L2_BYTES, graph_time_ms, random_w4  # noqa: E402
 
 LAYERS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-COLS = ["bf16", "smm", "smm_fast", "fp8_tri", "q4", "q4_tiled", "q4_deq"]
+COLS = ["bf16", "smm", "smm_fast", "fp8_tri", "q4", "q4_tiled", "q4_deq", "q4_tc", "tc_64x256"]
 
 
 def smm(x: torch.Tensor, w: fp8.Fp8Weight, fast: bool) -> torch.Tensor:
@@ -74,6 +77,8 @@ def main() -> None:
                 "q4": lambda i: quant_linear(x, w4[i]),
                 "q4_tiled": lambda i: quant_linear(x, w4[i], large_m_min=1 << 30),
                 "q4_deq": lambda i: F.linear(x, dequantize_weight(w4[i], x.dtype)),
+                "q4_tc": lambda i: quant_gemm_tc(x, w4[i]),
+                "tc_64x256": lambda i: quant_gemm_tc(x, w4[i], tiles=(64, 256, 32, 8, 4)),
             }
             times = {}
             for c in COLS:

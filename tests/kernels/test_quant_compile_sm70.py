@@ -89,6 +89,14 @@ SCRIPT = textwrap.dedent(
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
     results.append(compile_one("moe_grouped_ptx", grouped_quant_gemm_kernel, 90, bf,
                                dict(moe_cx, CLAMP_FP16=False, PTX_DEQ=True, ASM=True), 4, 2))
+    # The large-M tensor-core GEMM (quant_gemm_tc.py): both planned tiles, bfloat16, 4-bit with zeros.
+    from tokenmill.kernels.triton.quant_gemm_tc import TC_TILES, quant_gemm_tc_kernel
+    tc_ptrs = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    for _, bm, bn, bk, warps, stages in TC_TILES:
+        results.append(compile_one(f"tc_{bm}x{bn}x{bk}", quant_gemm_tc_kernel, 90, tc_ptrs,
+                                   dict(BITS=4, HAS_ZEROS=True, HAS_BIAS=False, CLAMP_FP16=False, IEEE=False, BLOCK_M=bm,
+                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages), warps, stages,
+                                   aligned=("x_ptr", "qw_ptr", "stride_xm", "stride_qn", "K")))
     print(json.dumps(results))
     """
 )
@@ -102,7 +110,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels)
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
         ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
-        ("moe_grouped_ptx", 90),
+        ("moe_grouped_ptx", 90), ("tc_64x128x32", 90), ("tc_128x128x32", 90),
     ]
     for r in results:
         assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r

@@ -43,6 +43,8 @@ checked with ptxas -v.)
   padded rows, wasting up to 16x the arithmetic).
 - medium M (cc >= 8.0 only): the same kernel with 32-128-row tiles
   (split-K only while the output tiles cannot fill the GPU).
+- batch-sized M (LARGE_M_MIN < M <= TC_M_MAX; cc >= 8.0, no act-order): `quant_gemm_tc.py`, an output-tiled
+  tensor-core GEMM that unpacks the weight tile in registers (off while TC_M_MAX is 0).
 - large M, and every M above small on cc < 8.0 (Triton's tl.dot has no
   tensor cores on Volta, shared/PLATFORMS.md): dequantize W into x's dtype
   with a Triton kernel, then cuBLAS (`F.linear`). The dequantized copy is a
@@ -71,6 +73,7 @@ import triton.language as tl
 
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
 from tokenmill.kernels.triton.quant_dot import dot_supported, quant_dot_kernel
+from tokenmill.kernels.triton.quant_gemm_tc import quant_gemm_tc, tc_supported
 from tokenmill.kernels.triton.quant_gemv import gemv_supported, quant_gemv_kernel, words_per_group
 from tokenmill.kernels.triton.splitk import device_facts, grouped_tile, k_slice, splitk_reduce_kernel, store_tile
 
@@ -115,6 +118,10 @@ GEMV_PROGRAMS_PER_SM = 16
 # 0.94-1.06x for gate_up / down; M = 32 and 64: split-K / tiled took 1.03-1.12x and 1.13-1.20x as long; from
 # M = 128 dequantize + cuBLAS (M = 256: 45 us vs 92 for the best tensor-core tile on qkv).
 DOT_M_MAX = 64
+# LARGE_M_MIN < M <= TC_M_MAX (cc >= 8.0, no act-order, group -1 or a multiple of 16): the unpacking tensor-core
+# GEMM (`quant_gemm_tc.py`) instead of dequantize + cuBLAS. 0 = off until its H200 timing
+# (benchmarks/gpu/large_m_paths.py, column q4_tc) says where it wins.
+TC_M_MAX = 0
 DOT_TILES = ((32, 64, 2, 4, 8), (64, 128, 4, 3, 2))
 DOT_BLOCK_K = 128
 
@@ -382,7 +389,7 @@ class QuantLinearPlan:
     """How `quant_linear` computes one call, and its launch settings.
 
     path: "gemv" (`quant_gemv_kernel`), "dot" (`quant_dot_kernel`), "splitk" / "tiled" (`quant_matmul_kernel`),
-    "cublas" (dequantize + F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
+    "tc" (`quant_gemm_tc`, its own tiles), "cublas" (dequantize + F.linear). block_k is in K columns (for "gemv" BLOCK_KW = block_k // p packed words); split_k the number
     of K slices (float32 partials + `splitk_reduce_kernel` when > 1); use_dot False: float32 FMAs instead of
     tl.dot in `quant_matmul_kernel`. Pass one to `quant_linear(plan=...)` to override the planner (sweeps).
     """
@@ -446,6 +453,8 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
         return finish_plan(QuantLinearPlan("dot", max(16, triton.next_power_of_2(m)), bn, DOT_BLOCK_K, 0, True, warps,
                                            stages), m, n, k, num_sms, split_k, programs_per_sm=per_sm)
     if m > small and (m > large or cc70):
+        if m <= TC_M_MAX and tc_supported(w, capability):
+            return QuantLinearPlan("tc")
         return QuantLinearPlan("cublas")
     if m <= small and cc70:
         bm, bk = min(triton.next_power_of_2(m), 8), block_k_for(w.bits)
@@ -467,8 +476,8 @@ def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
                 split_k: int | None = None, programs_per_sm: int | None = None) -> QuantLinearPlan:
     """`plan` with its split_k set: `split_k` if given, else plan.split_k if > 0, else from the programs wanted
     per SM (`programs_per_sm`, default 4 split-K / 2 tiled / GEMV_PROGRAMS_PER_SM); clamped to the K tiles
-    and made even (no empty slice). The "cublas" path is returned as is."""
-    if plan.path == "cublas":
+    and made even (no empty slice). The "cublas" and "tc" paths are returned as is."""
+    if plan.path in ("cublas", "tc"):
         return plan
     path, bm, bn, bk = plan.path, plan.block_m, plan.block_n, plan.block_k
     if split_k is None and plan.split_k > 0:
@@ -621,6 +630,8 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
         plan = finish_plan(plan, m, n, w.in_features, sms, split_k)
     if plan.path == "cublas":
         y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
+    elif plan.path == "tc":
+        y = quant_gemm_tc(x, w, bias.to(x.dtype) if bias is not None else None)
     else:
         y = _launch_matmul(x, w, bias, plan)
     return y.reshape(*lead, n)

@@ -1,0 +1,93 @@
+"""The large-M int4/int8 tensor-core GEMM (`kernels/triton/quant_gemm_tc.py`) vs dequantize-then-matmul.
+
+CPU: the Triton interpreter (conftest.py), small tiles on tiny shapes: M, N and K not multiples of the tiles,
+K not a multiple of the group, groups 16/32/64/128/-1, 4 and 8 bits, with and without zero points, bias,
+float32 and float16 x (the interpreter's bfloat16 tl.dot is wrong: test_quant_linear.py's docstring), strided
+x. GPU: real Llama-3.1-8B sizes in bfloat16 (tests/gpu marker via `pytest.mark.gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_helpers import dense, random_quant
+
+from tokenmill.kernels.triton import quant_linear as ql
+from tokenmill.kernels.triton.quant_gemm_tc import quant_gemm_tc, tc_supported, tc_tiles
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+SMALL = (16, 32, 32, 4, 1)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: quick under the interpreter
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w, bias=None) -> None:
+    ref = x.double() @ dense(w, x.dtype).double().t()
+    if bias is not None:
+        ref = ref + bias.double()
+    assert y.shape == ref.shape and y.dtype == x.dtype and torch.isfinite(y).all()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[x.dtype]
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits,group_size,zeros", [(4, 32, True), (4, 64, False), (4, 128, True), (4, -1, False),
+                                                   (8, 32, False), (8, -1, True), (4, 16, True)])
+@pytest.mark.parametrize("m", [1, 37])
+def test_matches_dequantize_then_matmul(bits, group_size, zeros, m):
+    k = 200 if group_size in (-1, 16) else 2 * group_size + 40  # K tiles cross group ends; last group partial
+    w = random_quant(72, k, bits, group_size, zeros, False, device=DEV)
+    x = torch.randn(m, k, device=DEV)
+    tiles = SMALL if group_size % 32 == 0 or group_size == -1 else (16, 32, 16, 4, 1)
+    _check(quant_gemm_tc(x, w, tiles=tiles), x, w)
+
+
+def test_half_precision_bias_and_strided_x():
+    w = random_quant(48, 96, 4, 32, True, False, dtype=torch.float16, device=DEV)
+    x = torch.randn(20, 130, device=DEV).to(torch.float16)[:, 3:99]  # row stride 130
+    bias = torch.randn(48, device=DEV).to(torch.float16)
+    _check(quant_gemm_tc(x, w, bias, tiles=SMALL), x, w, bias)
+
+
+def test_default_tiles_follow_m_and_the_group():
+    assert tc_tiles(128, 128)[:3] == (64, 128, 32)
+    assert tc_tiles(129, 128)[:3] == (128, 128, 32)
+    assert tc_tiles(5000, -1)[:3] == (128, 128, 32)
+    assert tc_tiles(300, 16)[2] == 16  # BLOCK_K lowered to divide the group
+    w = random_quant(40, 256, 4, 128, True, False, device=DEV)
+    x = torch.randn(70, 256, device=DEV)
+    _check(quant_gemm_tc(x, w), x, w)  # the planned 64 x 128 x 32 tile
+
+
+def test_supported_and_refused():
+    w = random_quant(16, 64, 4, 32, True, False)
+    assert tc_supported(w, (9, 0)) and not tc_supported(w, (7, 0))
+    wa = random_quant(16, 64, 4, 32, True, True)
+    assert not tc_supported(wa, (9, 0))
+    with pytest.raises(ValueError, match="act-order"):
+        quant_gemm_tc(torch.randn(2, 64), wa)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        quant_gemm_tc(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="divide the group size 32"):
+        quant_gemm_tc(torch.randn(2, 64), w, tiles=(16, 32, 64, 4, 1))
+
+
+def test_quant_linear_plans_it_between_large_m_min_and_tc_m_max(monkeypatch):
+    w = random_quant(32, 128, 4, 64, True, False)
+    assert ql.plan_quant_linear(100, 32, w, (9, 0), 132).path == ("tc" if ql.TC_M_MAX >= 100 else "cublas")
+    monkeypatch.setattr(ql, "TC_M_MAX", 512)
+    assert ql.plan_quant_linear(100, 32, w, (9, 0), 132).path == "tc"
+    assert ql.plan_quant_linear(600, 32, w, (9, 0), 132).path == "cublas"
+    assert ql.plan_quant_linear(100, 32, w, (7, 0), 132).path == "cublas"  # no tensor cores in tl.dot
+    wa = random_quant(32, 128, 4, 64, True, True)
+    assert ql.plan_quant_linear(100, 32, wa, (9, 0), 132).path == "cublas"  # act-order: dequantize + cuBLAS
+    w = random_quant(32, 128, 4, 64, True, False, device=DEV)
+    x = torch.randn(100, 128, device=DEV)
+    _check(ql.quant_linear(x, w), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [64, 300, 1024])
+def test_gpu_real_sizes(n, k, m):
+    w = random_quant(n, k, 4, 128, True, False, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    _check(quant_gemm_tc(x, w), x, w)

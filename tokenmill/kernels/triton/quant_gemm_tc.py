@@ -1,0 +1,148 @@
+"""int4/int8 weight-only GEMM for batch-sized M on tensor cores (Triton): y = x @ dequantize(w)^T (+ bias).
+
+For the rows where `quant_linear`'s other paths lose to bf16 (its module docstring): at M of a few hundred
+rows its dequantize + cuBLAS path writes and re-reads the whole weight in x's dtype on every call (on the H200
+a Llama-3.1-8B layer took 484 us at M = 512 against bf16's 301; `benchmarks/gpu/large_m_paths.py`), and its
+tiled kernel, built for few rows ("swap AB", K = 16 dots per packed position), was 5x slower than bf16 there.
+This kernel is the textbook output-tiled GEMM instead (one program per [BLOCK_M, BLOCK_N] tile of y, grouped
+tile order for L2 reuse, software-pipelined K loop) whose weight operand is unpacked in registers:
+
+    words [BLOCK_N, BLOCK_K / p] int32 (p = 32 // bits values per word, low bits first, `quant_pack` layout)
+    q     = (words[:, :, None] >> (bits * j)) & (2^bits - 1)      j = 0..p-1, reshaped to [BLOCK_N, BLOCK_K]
+    W     = round_x((q - z[n, g]) * s[n, g])                      g = k0 // group_size, float32 math
+    acc  += x_tile [BLOCK_M, BLOCK_K] @ W^T                        tl.dot, float32 accumulator
+
+so the weight is read once per row tile of M (packed, a quarter of bf16's bytes for 4-bit) and never
+written back. The weight is rounded once to x's dtype exactly as `quant_pack.dequantize(..., dtype=x.dtype)`
+(so the result equals F.linear with the dequantized weight up to summation order). Takes weights without
+act-order (`g_idx` None) whose group size is a multiple of BLOCK_K (or -1), on compute capability >= 8.0
+(Triton's tl.dot has no tensor cores on Volta, shared/PLATFORMS.md). float16 outputs saturate at +-65504.
+float32 x multiplies in IEEE float32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
+from tokenmill.kernels.triton.splitk import grouped_tile
+
+# Tiles by M (largest M, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_K is lowered to divide the group size.
+# The unpacked [BLOCK_N, BLOCK_K] weight tile lives in registers beside the accumulator, so the K tile is 32:
+# `ptxas -v` for sm_90a (bfloat16, 4-bit with zeros) gives 168 registers at 64 x 128 x 32 (4 warps) and 221 at
+# 128 x 128 x 32 (8 warps), no spills, while 64-deep K tiles spilled at 128 x 128 (8 warps, 176-232 bytes) and
+# 64 x 128 (8 warps). benchmarks/gpu/large_m_paths.py times them on Llama-3.1-8B's shapes.
+TC_TILES = ((128, 64, 128, 32, 4, 4), (1 << 62, 128, 128, 32, 8, 4))
+GROUP_M = 8
+
+
+def tc_supported(w: QuantTensors, capability: tuple[int, int]) -> bool:
+    """True when `quant_gemm_tc` takes `w` on a device of `capability`: cc >= 8.0, no act-order, and a group
+    size of -1 or a multiple of 16 (the smallest K tile; BLOCK_K follows the group)."""
+    g = w.group_size
+    return tuple(capability) >= (8, 0) and w.g_idx is None and (g == -1 or (g >= 16 and g % 16 == 0))
+
+
+def tc_tiles(m: int, group_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M rows and the weight's group size (TC_TILES)."""
+    _, bm, bn, bk, warps, stages = next(t for t in TC_TILES if m <= t[0])
+    if group_size != -1:
+        while group_size % bk:
+            bk //= 2
+    return bm, bn, bk, warps, stages
+
+
+@triton.jit
+def quant_gemm_tc_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, group_size,
+    stride_xm, stride_xk, stride_qn, stride_qw, stride_sn, stride_sg, stride_zn, stride_zg, stride_om, stride_on,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP_FP16: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    P: tl.constexpr = 32 // BITS
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, BLOCK_K // P)
+    shifts = tl.arange(0, P) * BITS
+    num_words = tl.cdiv(K, P)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        wi = k0 // P + offs_w
+        words = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + wi[None, :] * stride_qw,
+                        mask=n_mask[:, None] & (wi < num_words)[None, :], other=0)
+        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        g = k0 // group_size
+        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        w = ((q - z[:, None]) * s[:, None]).to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if CLAMP_FP16:
+        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None,
+                  tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """y [M, N] = x @ dequantize(w)^T (+ bias) with the unpacking tensor-core GEMM (module docstring).
+
+    Args:
+        x: [M, K] float16 / bfloat16 / float32, any strides (CUDA, or CPU under TRITON_INTERPRET=1).
+        w: 4- or 8-bit weight in the `quant_pack` layout, no expert dim, no act-order, group size -1 or a
+            multiple of 16 (`tc_supported`).
+        bias: [N] or None.
+        tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of `tc_tiles` (tests, sweeps); BLOCK_K
+            must divide the group size (any K tile takes group -1: one group, k0 // K = 0).
+
+    Returns:
+        [M, N] in x's dtype; every element written.
+
+    Raises:
+        ValueError: x is not [M, K], the weight has act-order or a group size the K tiles cannot follow.
+    """
+    k = w.in_features
+    n = w.qweight.shape[0]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] for a quantized weight [{n}, {k}], not {tuple(x.shape)}.")
+    if w.g_idx is not None:
+        raise ValueError("quant_gemm_tc does not take act-order weights (g_idx); quant_linear plans another path.")
+    group = k if w.group_size == -1 else w.group_size
+    bm, bn, bk, warps, stages = tiles or tc_tiles(x.shape[0], w.group_size)
+    if (w.group_size != -1 and group % bk) or bk % pack_factor(w.bits) or bk < 16:
+        raise ValueError(f"BLOCK_K {bk} must be >= 16, a multiple of {pack_factor(w.bits)} and divide the group "
+                         f"size {group}.")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    z = w.qzeros
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    quant_gemm_tc_kernel[grid](
+        x, w.qweight, w.scales, z if z is not None else w.scales, bias if bias is not None else out, out,
+        m, n, k, group,
+        x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
+        BITS=w.bits, HAS_ZEROS=z is not None, HAS_BIAS=bias is not None, CLAMP_FP16=x.dtype == torch.float16,
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, NUM_STAGES=stages,
+        num_warps=warps,
+    )
+    return out
