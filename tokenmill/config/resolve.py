@@ -392,8 +392,10 @@ def default_prefill_tokens_with_decodes(platform: Platform, usage: str) -> int:
     concurrency 512, issue 24). 2048 prefill tokens are ~33 TFLOP, ~40-50 ms
     beside the decodes' own ~20-25 ms, while prefills still move at 2048
     tokens a step. 2048 is also `worker/cuda_graph.py` MIXED_MAX_TOKENS, the
-    largest mixed step captured as a CUDA graph: below it the host's eager
-    launch cost matters, above it the GPU's time dominates.
+    largest mixed step captured as a CUDA graph, because above it a step's
+    GPU time exceeds the host's eager launch cost (that module's docstring);
+    with decodes beside the capped chunk a step is larger and runs eagerly,
+    as the full-budget step did.
     Offline (`LLM`) keeps the whole budget (throughput over latency), and so
     do CPUs and smaller GPUs (whose server budget, 2048, is no larger than
     the cap would be).
