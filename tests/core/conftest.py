@@ -74,6 +74,7 @@ def make_scheduler():
         enable_prefix_caching: bool = True,
         async_scheduling: bool = False,
         long_prefill_token_threshold: int = 0,
+        max_prefill_tokens_with_decodes: int = 0,
     ) -> Scheduler:
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -83,6 +84,7 @@ def make_scheduler():
             policy=policy,
             async_scheduling=async_scheduling,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         )
         cache_cfg = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
         return Scheduler(sched_cfg, cache_cfg, num_blocks)

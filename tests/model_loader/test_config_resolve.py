@@ -9,7 +9,12 @@ import torch
 from transformers import LlamaConfig
 
 from tokenmill.config import EngineArgs
-from tokenmill.config.resolve import _resolve_dtype, default_scheduler_limits
+from tokenmill.config.resolve import (
+    _resolve_dtype,
+    _resolve_scheduler_config,
+    default_prefill_tokens_with_decodes,
+    default_scheduler_limits,
+)
 from tokenmill.platforms.cuda import CudaPlatform
 
 
@@ -84,6 +89,11 @@ def test_chunked_prefill_off_budget_covers_max_model_len(tmp_path):
     ({"load_format": "npz"}, "load-format"),
     ({"long_prefill_token_threshold": -1}, "long-prefill-token-threshold must be >= 0"),
     ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}, "needs chunked prefill"),
+    ({"max_prefill_tokens_with_decodes": -1}, r"--max-prefill-tokens-with-decodes must be >= 0 \(0: off\)"),
+    ({"max_prefill_tokens_with_decodes": 64, "enable_chunked_prefill": False},
+     "--max-prefill-tokens-with-decodes splits prompts over steps, which needs chunked prefill"),
+    ({"max_prefill_tokens_with_decodes": 4097},
+     r"--max-prefill-tokens-with-decodes \(4097\) must be at most --max-num-batched-tokens \(4096\)"),
 ])
 def test_invalid_arguments(tiny_folder, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -135,3 +145,31 @@ def test_cuda_scheduler_defaults():
     assert default_scheduler_limits(_FakeCuda((9, 0), mem_gib=141), "server") == (8192, 1024)
     assert default_scheduler_limits(_FakeCuda((7, 0), mem_gib=32), "llm") == (8192, 256)
     assert default_scheduler_limits(_FakeCuda((7, 0), mem_gib=32), "server") == (2048, 256)
+
+
+def test_prefill_cap_with_decodes_defaults():
+    """2048 for the server on a >= 70 GiB GPU; off offline, on smaller GPUs and on CPU."""
+    big, small = _FakeCuda((9, 0), mem_gib=141), _FakeCuda((8, 0), mem_gib=40)
+    assert default_prefill_tokens_with_decodes(big, "server") == 2048
+    assert default_prefill_tokens_with_decodes(big, "llm") == 0
+    assert default_prefill_tokens_with_decodes(small, "server") == 0
+    server = _resolve_scheduler_config(EngineArgs(), big, "server", 8192)
+    assert (server.max_num_batched_tokens, server.max_prefill_tokens_with_decodes) == (8192, 2048)
+    assert _resolve_scheduler_config(EngineArgs(), big, "llm", 8192).max_prefill_tokens_with_decodes == 0
+    # A budget at or below the default cap, or no chunked prefill: nothing to cap.
+    args = EngineArgs(max_num_batched_tokens=2048)
+    assert _resolve_scheduler_config(args, big, "server", 8192).max_prefill_tokens_with_decodes == 0
+    args = EngineArgs(enable_chunked_prefill=False)
+    assert _resolve_scheduler_config(args, big, "server", 8192).max_prefill_tokens_with_decodes == 0
+    # Given values win, in both usages.
+    assert _resolve_scheduler_config(EngineArgs(max_prefill_tokens_with_decodes=0), big, "server",
+                                     8192).max_prefill_tokens_with_decodes == 0
+    assert _resolve_scheduler_config(EngineArgs(max_prefill_tokens_with_decodes=512), big, "llm",
+                                     8192).max_prefill_tokens_with_decodes == 512
+
+
+def test_prefill_cap_with_decodes_on_cpu(tiny_folder):
+    assert _resolve(tiny_folder).scheduler_config.max_prefill_tokens_with_decodes == 0
+    assert _resolve(tiny_folder, usage="server").scheduler_config.max_prefill_tokens_with_decodes == 0
+    cfg = _resolve(tiny_folder, usage="server", max_prefill_tokens_with_decodes=256)
+    assert cfg.scheduler_config.max_prefill_tokens_with_decodes == 256

@@ -53,6 +53,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: a prefill takes at most this many tokens per step
+    # > 0: prefill tokens of a step with running decodes (0: off); None: 2048 for the server on >= 70 GiB GPUs, else off
+    max_prefill_tokens_with_decodes: int | None = None
     scheduling_policy: str = "fcfs"
     async_scheduling: bool | None = None  # None: on for one CUDA device, off elsewhere
     # device
@@ -135,6 +137,11 @@ class EngineArgs:
         g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
                        help="With chunked prefill: a prompt takes at most this many tokens per step (0: off, the "
                             "default), so long prompts leave room in each step for others and for running decodes.")
+        g.add_argument("--max-prefill-tokens-with-decodes", type=_int_or_size, default=None,
+                       help="With chunked prefill: a step that carries running decodes takes at most this many "
+                            "prefill tokens (0: off), so a long prompt does not stall every decode for a full-budget "
+                            "step (tokenmill's own; Sarathi-Serve's stall-free batching); steps without decodes keep "
+                            "--max-num-batched-tokens. Default: 2048 for the server on GPUs with >= 70 GiB, else 0.")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
                        help="fcfs: arrival order; priority: smaller `priority` first, then arrival.")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

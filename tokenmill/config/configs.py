@@ -118,6 +118,9 @@ class SchedulerConfig:
     # > 0: a prefill (prompt, or resumed prompt + outputs) takes at most this many tokens per step (vLLM's
     # long_prefill_token_threshold); 0: off.
     long_prefill_token_threshold: int = 0
+    # > 0: a step that carries running decodes takes at most this many prefill tokens (stall-free batching,
+    # Sarathi-Serve; core/scheduler.py); steps without decodes keep max_num_batched_tokens. 0: off.
+    max_prefill_tokens_with_decodes: int = 0
     policy: str = "fcfs"  # fcfs | priority
     # Schedule step N+1 while step N runs (its sampled ids are read on the device).
     async_scheduling: bool = False

@@ -7,6 +7,10 @@ Per-device scheduler defaults are vLLM's (`vllm/engine/arg_utils.py`,
     CPU                  4096 / 2048                             256 / 128
     CUDA, >= 70 GiB      16384 / 8192                            1024 / 1024
     CUDA, smaller        8192 / 2048                             256 / 256
+
+`max_prefill_tokens_with_decodes` (tokenmill's own, no vLLM default to follow):
+2048 for the server on CUDA >= 70 GiB, else 0 (off); see
+`default_prefill_tokens_with_decodes`.
 """
 
 from __future__ import annotations
@@ -150,6 +154,12 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
     if args.long_prefill_token_threshold and not args.enable_chunked_prefill:
         raise ValueError("--long-prefill-token-threshold splits prompts over steps, which needs chunked prefill; "
                          "drop --no-enable-chunked-prefill or the threshold.")
+    cap = args.max_prefill_tokens_with_decodes
+    if cap is not None and cap < 0:
+        raise ValueError(f"--max-prefill-tokens-with-decodes must be >= 0 (0: off), got {cap}.")
+    if cap and not args.enable_chunked_prefill:
+        raise ValueError("--max-prefill-tokens-with-decodes splits prompts over steps, which needs chunked prefill; "
+                         "drop --no-enable-chunked-prefill or the cap.")
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"--scheduling-policy must be fcfs or priority, got {args.scheduling_policy!r}.")
 
@@ -372,6 +382,28 @@ def default_scheduler_limits(platform: Platform, usage: str) -> tuple[int, int]:
     return (2048, 256) if server else (8192, 256)
 
 
+def default_prefill_tokens_with_decodes(platform: Platform, usage: str) -> int:
+    """The default `max_prefill_tokens_with_decodes`: 2048 for the server on CUDA >= 70 GiB, else 0 (off).
+
+    Why 2048 there: the server's step budget is 8192 tokens, and a step with
+    ~8192 prefill tokens costs about 8192 x 16 GFLOP (Llama-3.1-8B, 2 x 8 B
+    parameters per token) = 131 TFLOP, ~165 ms of GEMMs at an H200's
+    ~800 TFLOP/s, which every running decode waits for (ITL p99 610 ms at
+    concurrency 512, issue 24). 2048 prefill tokens are ~33 TFLOP, ~40-50 ms
+    beside the decodes' own ~20-25 ms, while prefills still move at 2048
+    tokens a step. 2048 is also `worker/cuda_graph.py` MIXED_MAX_TOKENS, the
+    largest mixed step captured as a CUDA graph, because above it a step's
+    GPU time exceeds the host's eager launch cost (that module's docstring);
+    with decodes beside the capped chunk a step is larger and runs eagerly,
+    as the full-budget step did.
+    Offline (`LLM`) keeps the whole budget (throughput over latency), and so
+    do CPUs and smaller GPUs (whose server budget, 2048, is no larger than
+    the cap would be).
+    """
+    large_gpu = platform.device_type == "cuda" and (platform.total_memory_bytes() or 0) >= _LARGE_GPU_BYTES
+    return 2048 if usage == "server" and large_gpu else 0
+
+
 def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, max_model_len: int) -> SchedulerConfig:
     default_tokens, default_seqs = default_scheduler_limits(platform, usage)
     max_num_seqs = args.max_num_seqs or default_seqs
@@ -382,12 +414,25 @@ def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, 
             raise ValueError(f"With chunked prefill disabled, --max-num-batched-tokens ({args.max_num_batched_tokens}) "
                              f"must be >= --max-model-len ({max_model_len}); raise it or lower --max-model-len.")
         max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    prefill_cap = args.max_prefill_tokens_with_decodes
+    if prefill_cap is None:
+        prefill_cap = default_prefill_tokens_with_decodes(platform, usage) if args.enable_chunked_prefill else 0
+        if prefill_cap >= max_num_batched_tokens:
+            prefill_cap = 0  # a cap at or above the budget caps nothing
+        if prefill_cap:
+            logger.info("Steps that carry running decodes take at most %d prefill tokens (of a %d-token budget), so "
+                        "long prompts do not stall them; --max-prefill-tokens-with-decodes 0 turns this off",
+                        prefill_cap, max_num_batched_tokens)
+    elif prefill_cap > max_num_batched_tokens:
+        raise ValueError(f"--max-prefill-tokens-with-decodes ({prefill_cap}) must be at most --max-num-batched-tokens "
+                         f"({max_num_batched_tokens}), the whole step's budget; lower it, or pass 0 to turn it off.")
     return SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_prefill_tokens_with_decodes=prefill_cap,
         policy=args.scheduling_policy,
         async_scheduling=_resolve_async_scheduling(args, platform),
     )

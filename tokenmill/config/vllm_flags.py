@@ -109,6 +109,10 @@ FLAGS: tuple[FlagInfo, ...] = (
        ("--no-enable-chunked-prefill",)),
     _i("--long-prefill-token-threshold", "With chunked prefill, a prompt takes at most this many tokens per step "
        "(0: off); keeps room in each step for running decodes.", ("--long-prefill-token-threshold", "512")),
+    _i("--max-prefill-tokens-with-decodes", "With chunked prefill, a step that carries running decodes takes at "
+       "most this many prefill tokens (0: off), so long prompts do not stall decodes; steps without decodes keep "
+       "--max-num-batched-tokens (tokenmill's own; default 2048 for the server on GPUs with >= 70 GiB, else 0).",
+       ("--max-prefill-tokens-with-decodes", "512")),
     _i("--scheduling-policy", "fcfs or priority.", ("--scheduling-policy", "priority")),
     _i("--async-scheduling", "Prepare step N+1 while step N runs (default: on for one GPU).", ("--async-scheduling",)),
     # --- device ---

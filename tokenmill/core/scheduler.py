@@ -27,6 +27,16 @@ Policy of `schedule()` (as vLLM v1's scheduler):
    everyone behind it), then allocation. The first request that cannot be
    admitted stops the pass (head-of-line order is kept).
 
+Stall-free batching (`max_prefill_tokens_with_decodes` > 0; Sarathi-Serve,
+Agrawal et al., OSDI 2024): when a running request is decoding (exactly one
+token left to compute) at the start of the step, the step's prefill tokens,
+running chunks and new admissions together, are capped at that many, so a
+long prompt cannot make every running decode wait for a full-budget step; a
+step without decodes keeps the whole `max_num_batched_tokens`. A prefill
+token here is one of a request with more than one token left (a prompt, or a
+preempted request's recompute). The first prefill that fits still gets
+min(cap, its tokens) each step, so prefills keep moving.
+
 New and resumed requests go to the worker in full (`scheduled_new_reqs`),
 running ones as diffs (`scheduled_cached_reqs`). Ids of requests finished,
 aborted or preempted since the last non-empty output go in `finished_req_ids`
@@ -73,14 +83,17 @@ class Scheduler:
 
     Args:
         scheduler_config: `max_num_seqs`, `max_num_batched_tokens`,
-            `max_model_len`, `enable_chunked_prefill`, `policy`.
+            `max_model_len`, `enable_chunked_prefill`, `long_prefill_token_threshold`,
+            `max_prefill_tokens_with_decodes`, `policy`, `async_scheduling`.
         cache_config: `block_size`, `enable_prefix_caching`.
         num_gpu_blocks: KV-cache blocks the worker allocated.
 
     Raises:
         ValueError: if the policy is unknown, a limit is not positive, or
             chunked prefill is off while `max_num_batched_tokens` <
-            `max_model_len` (a long prompt could never be scheduled).
+            `max_model_len` (a long prompt could never be scheduled), or
+            a prefill cap is negative, above the budget, or set without
+            chunked prefill.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int) -> None:
@@ -100,6 +113,11 @@ class Scheduler:
                                                      and not cfg.enable_chunked_prefill):
             raise ValueError(f"long_prefill_token_threshold ({cfg.long_prefill_token_threshold}) must be >= 0, "
                              "and > 0 only with chunked prefill (it splits prompts over steps).")
+        cap = cfg.max_prefill_tokens_with_decodes
+        if not 0 <= cap <= cfg.max_num_batched_tokens or (cap and not cfg.enable_chunked_prefill):
+            raise ValueError(f"max_prefill_tokens_with_decodes ({cap}) must be between 0 (off) and "
+                             f"max_num_batched_tokens ({cfg.max_num_batched_tokens}), and > 0 only with chunked "
+                             "prefill (it splits prompts over steps).")
         self.scheduler_config = cfg
         self.cache_config = cache_config
         self.max_num_seqs = cfg.max_num_seqs
@@ -108,6 +126,8 @@ class Scheduler:
         self.enable_chunked_prefill = cfg.enable_chunked_prefill
         # > 0: a request's chunk per step is capped here (vLLM's long_prefill_token_threshold).
         self.long_prefill_cap = cfg.long_prefill_token_threshold or max(cfg.max_num_batched_tokens, 1)
+        # > 0: a step with running decodes takes at most this many prefill tokens (module docstring); 0: off.
+        self.prefill_cap_with_decodes = cfg.max_prefill_tokens_with_decodes
         self.policy = cfg.policy
         self.async_scheduling = cfg.async_scheduling
         # Unfinished requests with Request.needs_sync set (the engine keeps steps synchronous while > 0).
@@ -207,6 +227,10 @@ class Scheduler:
         async_scheduling = self.async_scheduling
         token_budget = self.max_num_batched_tokens
         long_prefill_cap = self.long_prefill_cap
+        # Prefill tokens this step may still take: the whole budget, or the stall-free cap beside decodes.
+        prefill_budget = token_budget
+        if 0 < self.prefill_cap_with_decodes < token_budget and self._has_decode():
+            prefill_budget = self.prefill_cap_with_decodes
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         cached_req_ids, cached_new_blocks, cached_computed = (
@@ -234,6 +258,8 @@ class Scheduler:
             num_new = num_left if num_left < token_budget else token_budget  # noqa: FURB136
             if long_prefill_cap < num_new:  # noqa: PLR1730
                 num_new = long_prefill_cap
+            if num_left > 1 and prefill_budget < num_new:  # a prefill chunk (a decode has one token left)
+                num_new = prefill_budget
             if max_model_len - num_computed < num_new:  # noqa: PLR1730
                 num_new = max_model_len - num_computed
             if num_new <= 0:
@@ -251,6 +277,8 @@ class Scheduler:
                         n, was_partial = self._unschedule(victim, num_scheduled, cached)
                         token_budget += n
                         num_partial -= was_partial
+                        if n > 1 or was_partial:  # it had more than one token left: a prefill chunk
+                            prefill_budget += n
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is request:
@@ -270,11 +298,16 @@ class Scheduler:
             # Advanced here, after its entry holds the value from before (the worker's contract).
             request.num_computed_tokens = num_computed + num_new
             token_budget -= num_new
+            if num_left > 1:
+                prefill_budget -= num_new
             i += 1
 
         # 2. Waiting requests, only when nobody had to be preempted.
         if not preempted:
-            token_budget, num_partial_new = self._schedule_waiting(token_budget, num_scheduled, scheduled_new)
+            # Every token of an admitted request is a prefill token.
+            waiting_budget = token_budget if token_budget < prefill_budget else prefill_budget
+            left, num_partial_new = self._schedule_waiting(waiting_budget, num_scheduled, scheduled_new)
+            token_budget -= waiting_budget - left
             num_partial += num_partial_new
 
         total = self.max_num_batched_tokens - token_budget
@@ -342,6 +375,17 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_new
             token_budget -= num_new
         return token_budget, num_partial
+
+    def _has_decode(self) -> bool:
+        """Whether a running request has exactly one token left to compute (a decode).
+
+        Stops at the first: under load most running requests decode, so this
+        reads one or two of them.
+        """
+        for r in self.running:
+            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
+                return True
+        return False
 
     @staticmethod
     def _unschedule(request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> tuple[int, int]:
