@@ -8,9 +8,10 @@ linears are no faster than bf16's. Per (M, layer) this prints microseconds per c
 calls, each on its own weight copy so weights come from HBM: `quant_gemm.graph_time_ms`) for:
 
   bf16        F.linear(x, W_bf16)
-  smm         W8A8 as the engine runs it above SMALL_M_MAX: per-token quantization (Triton) + torch._scaled_mm
-              row-wise, use_fast_accum=False (every 128-deep partial sum promoted to float32)
-  smm_fast    the same with use_fast_accum=True (the wgmma accumulator holds the whole K loop)
+  smm         W8A8 per-token quantization (Triton) + torch._scaled_mm row-wise, use_fast_accum=False (every
+              128-deep partial sum promoted to float32; the engine's path before session 12)
+  smm_fast    the same with use_fast_accum=True (the wgmma accumulator holds the whole K loop; the engine's
+              path above SMALL_M_MAX since session 12, fp8_gemm.SCALED_MM_FAST_ACCUM)
   fp8_tri     the same product through the Triton fp8 tl.dot GEMM (use_scaled_mm=False)
   q4          int4 group-128 with zero points as planned (`quant_linear`: dequantize + cuBLAS above LARGE_M_MIN)
   q4_tiled    the same with the Triton tiled tensor-core GEMM forced (large_m_min raised past M)
@@ -63,10 +64,14 @@ def main() -> None:
     print(f"{'M':>5} {'layer':>8} " + " ".join(f"{c:>9}" for c in COLS))
     totals: dict[tuple[int, str], float] = {}
     for name, n, k in LAYERS:
-        copies = max(2, min(args.reps, -(-2 * L2_BYTES // (n * k))))
-        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        w8 = [fp8.Fp8Weight(*fp8.quantize_fp8_per_row(w.float())) for w in w16]
-        w4 = [random_w4(n, k, torch.bfloat16) for _ in range(copies)]
+        # Copies of each format's weight that together fill twice the L2 (the int4 weight is half a byte per
+        # element), up to one per call of a graph: every call reads its weight from HBM.
+        copies = {f: max(2, min(args.reps, -(-2 * L2_BYTES // int(n * k * b)))) for f, b in
+                  (("bf16", 2), ("fp8", 1), ("int4", 0.5))}
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies["bf16"])]
+        w8 = [fp8.Fp8Weight(*fp8.quantize_fp8_per_row(w16[i % len(w16)].float())) for i in range(copies["fp8"])]
+        w4 = [random_w4(n, k, torch.bfloat16) for _ in range(copies["int4"])]
+        fmt = {"bf16": w16, "smm": w8, "smm_fast": w8, "fp8_tri": w8}
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             runs = {
@@ -83,14 +88,15 @@ def main() -> None:
             times = {}
             for c in COLS:
                 try:
-                    times[c] = graph_time_ms([lambda c=c, i=i: runs[c](i % copies) for i in range(args.reps)]) * 1e3
+                    nw = len(fmt.get(c, w4))
+                    times[c] = graph_time_ms([lambda c=c, i=i: runs[c](i % nw) for i in range(args.reps)]) * 1e3
                 except Exception as e:  # a path that does not take this shape: say so, keep going
                     print(f"  {c} at M={m} {name}: {type(e).__name__}: {str(e)[:120]}")
             for c, t in times.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + t
             print(f"{m:>5} {name:>8} " + " ".join(f"{times[c]:9.1f}" if c in times else f"{'-':>9}" for c in COLS),
                   flush=True)
-        del w16, w8, w4
+        del w16, w8, w4, fmt
         torch.cuda.empty_cache()
     print("Per decoder layer (sum of the four linears), us, and the ratio to bf16:")
     for m in args.m:

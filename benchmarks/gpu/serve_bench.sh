@@ -6,9 +6,11 @@
 # percentiles 50/90/99) and writes its JSON to $OUT (or /tmp/serve-bench).
 #
 # The model directory is built in /tmp from the config and the SmolLM2 tokenizer (carried in
-# .devcarry/serve-tok by benchmarks/peers/gpu_carry.sh): the model's 128,256-entry vocabulary is larger than the
-# tokenizer's 49,152, and ids past the tokenizer decode to no text while counting as tokens in the server's usage,
-# which the bench reads per chunk.
+# .devcarry/serve-tok by benchmarks/peers/gpu_carry.sh), its BPE vocabulary padded to the config's vocab_size with
+# entries "<xN>" that no merge produces (so prompts tokenize as before) and that decode to text. Without the
+# padding, ids past the tokenizer's 49,152 entries decode to nothing, their stream chunks carry no text, and the
+# bench (which times text-carrying chunks, as vLLM's does) measured ITL over ~2.6 tokens per gap (session 12,
+# visit 1).
 #
 # Usage, on the GPU machine, in the repository root (carry `.devcarry`):
 #   bash benchmarks/peers/gpu_carry.sh            # here, once, with network
@@ -36,6 +38,20 @@ MODEL="/tmp/serve-model/$NAME"
 mkdir -p "$MODEL"
 cp "$CONFIG" "$MODEL/config.json"
 cp "$TOK"/* "$MODEL/"
+"$PY" - "$MODEL" <<'PYEOF'
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+vocab_size = json.loads((d / "config.json").read_text())["vocab_size"]
+tok = json.loads((d / "tokenizer.json").read_text())
+vocab = tok["model"]["vocab"]
+taken = set(vocab.values()) | {a["id"] for a in tok["added_tokens"]}
+for i in range(vocab_size):
+    if i not in taken:
+        vocab[f"<x{i}>"] = i
+(d / "tokenizer.json").write_text(json.dumps(tok))
+print(f"[serve_bench] tokenizer padded to {len(vocab) + len(tok['added_tokens'])} ids (config vocab {vocab_size})")
+PYEOF
 
 # Serving packages the GPU image lacks, from the carried wheels.
 if ! "$PY" -c "import fastapi, uvicorn, zmq, msgspec, pydantic" 2>/dev/null; then
@@ -68,5 +84,7 @@ bench() {  # bench NUM_PROMPTS SAVE(0/1)
         --metric-percentiles 50,90,99 --disable-tqdm "${save[@]}"
 }
 [ "$WARM" -gt 0 ] && bench "$WARM" 0 > "$RES/serve-$NAME-warmup.log" 2>&1
-bench "$N" 1 2>&1 | tee "$RES/serve-$NAME-bench.log" | grep -vE "^(Mean|P50) " || true
+bench "$N" 1 2>&1 | tee "$RES/serve-$NAME-bench.log" | { grep -vE "^(Mean|P50) " || true; }
+rc=${PIPESTATUS[0]}
 grep -E "preempt|ERROR|Traceback" "$LOG" | tail -5 || true
+exit "$rc"

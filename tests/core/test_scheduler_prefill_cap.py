@@ -50,6 +50,17 @@ def test_cap_applies_only_while_decodes_run(make_scheduler, make_request, step, 
     assert step(off)[0].num_scheduled_tokens == {"a": 1, "b": 46}  # 0 = off: the budget alone
 
 
+def test_a_request_whose_last_token_is_in_flight_is_no_decode(make_scheduler, make_request):
+    """Async scheduling: `a` (max_tokens=1) has its only token being sampled when the next step is planned; it
+    has nothing to schedule, so it must not cap `b` (found in review)."""
+    s = make_scheduler(num_blocks=20, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16,
+                       async_scheduling=True)
+    s.add_request(make_request("a", 10, start=100, max_tokens=1))
+    s.add_request(make_request("b", 100, start=200))
+    assert s.schedule().num_scheduled_tokens == {"a": 10, "b": 54}
+    assert s.schedule().num_scheduled_tokens == {"b": 46}  # the rest of b, uncapped (16 with a counted)
+
+
 def test_lone_long_prompt_keeps_the_whole_budget(make_scheduler, make_request, step):
     s = make_scheduler(num_blocks=20, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16)
     s.add_request(make_request("a", 200))

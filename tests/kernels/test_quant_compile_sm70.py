@@ -92,11 +92,18 @@ SCRIPT = textwrap.dedent(
     # The large-M tensor-core GEMM (quant_gemm_tc.py): both planned tiles, bfloat16, 4-bit with zeros.
     from tokenmill.kernels.triton.quant_gemm_tc import TC_TILES, quant_gemm_tc_kernel
     tc_ptrs = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    for _, bm, bn, bk, warps, stages in TC_TILES:
-        results.append(compile_one(f"tc_{bm}x{bn}x{bk}", quant_gemm_tc_kernel, 90, tc_ptrs,
-                                   dict(BITS=4, HAS_ZEROS=True, HAS_BIAS=False, CLAMP_FP16=False, IEEE=False, BLOCK_M=bm,
-                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages), warps, stages,
-                                   aligned=("x_ptr", "qw_ptr", "stride_xm", "stride_qn", "K")))
+    # Also 8-bit weights and float16 x (with its clamp) on the large tile; float32 x never takes this kernel.
+    f16 = {n: ("*fp16" if t == "*bf16" else t) for n, t in tc_ptrs.items()}
+    tc_variants = [(f"tc_{bm}x{bn}x{bk}", tc_ptrs, 4, False, bm, bn, bk, warps, stages)
+                   for _, bm, bn, bk, warps, stages in TC_TILES]
+    bm, bn, bk, warps, stages = TC_TILES[-1][1:]
+    tc_variants += [("tc_int8", tc_ptrs, 8, False, bm, bn, bk, warps, stages),
+                    ("tc_fp16", f16, 4, True, bm, bn, bk, warps, stages)]
+    for name, ptrs, bits, clamp, bm, bn, bk, warps, stages in tc_variants:
+        results.append(compile_one(name, quant_gemm_tc_kernel, 90, ptrs,
+                                   dict(BITS=bits, HAS_ZEROS=True, HAS_BIAS=False, CLAMP_FP16=clamp, IEEE=False,
+                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages), warps,
+                                   stages, aligned=("x_ptr", "qw_ptr", "stride_xm", "stride_qn", "K")))
     print(json.dumps(results))
     """
 )
@@ -111,6 +118,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels)
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
         ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
         ("moe_grouped_ptx", 90), ("tc_64x128x32", 90), ("tc_128x128x32", 90),
+        ("tc_int8", 90), ("tc_fp16", 90),
     ]
     for r in results:
         assert r["ptx_target"] == ["sm_70" if r["cc"] == 70 else "sm_90a"], r

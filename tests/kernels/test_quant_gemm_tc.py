@@ -79,9 +79,14 @@ def test_quant_linear_plans_it_between_large_m_min_and_tc_m_max(monkeypatch):
     assert ql.plan_quant_linear(100, 32, w, (7, 0), 132).path == "cublas"  # no tensor cores in tl.dot
     wa = random_quant(32, 128, 4, 64, True, True)
     assert ql.plan_quant_linear(100, 32, wa, (9, 0), 132).path == "cublas"  # act-order: dequantize + cuBLAS
-    w = random_quant(32, 128, 4, 64, True, False, device=DEV)
-    x = torch.randn(100, 128, device=DEV)
+    w = random_quant(32, 128, 4, 64, True, False, dtype=torch.float16, device=DEV)
+    x = torch.randn(100, 128, device=DEV).to(torch.float16)
+    called = []
+    monkeypatch.setattr(ql, "quant_gemm_tc", lambda *a: called.append(1) or quant_gemm_tc(*a))
     _check(ql.quant_linear(x, w), x, w)
+    assert called == [1]
+    _check(ql.quant_linear(x.float(), w), x.float(), w)  # float32 x: dequantize + cuBLAS instead
+    assert called == [1]
 
 
 @pytest.mark.gpu

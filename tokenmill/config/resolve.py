@@ -387,11 +387,12 @@ def default_prefill_tokens_with_decodes(platform: Platform, usage: str) -> int:
 
     Why 2048 there: the server's step budget is 8192 tokens, and a step with
     ~8192 prefill tokens costs about 8192 x 16 GFLOP (Llama-3.1-8B, 2 x 8 B
-    parameters per token) = 131 TFLOP, ~165 ms of GEMMs at an H200's
-    ~800 TFLOP/s, which every running decode waits for (ITL p99 610 ms at
-    concurrency 512, issue 24). 2048 prefill tokens are ~33 TFLOP, ~40-50 ms
-    beside the decodes' own ~20-25 ms, while prefills still move at 2048
-    tokens a step. 2048 is also `worker/cuda_graph.py` MIXED_MAX_TOKENS, the
+    parameters per token) = 131 TFLOP, an estimated ~165 ms of GEMMs at an
+    H200's ~800 TFLOP/s, which every running decode waits for (issue 24 asks
+    for ITL p99 <= 150 ms at concurrency 512). 2048 prefill tokens are ~33
+    TFLOP, an estimated ~40-50 ms beside the decodes' own ~20-25 ms, while
+    prefills still move at 2048 tokens a step. (Estimates; the measured
+    A/B is in docs/benchmarks.md, twelfth session.) 2048 is also `worker/cuda_graph.py` MIXED_MAX_TOKENS, the
     largest mixed step captured as a CUDA graph, because above it a step's
     GPU time exceeds the host's eager launch cost (that module's docstring);
     with decodes beside the capped chunk a step is larger and runs eagerly,

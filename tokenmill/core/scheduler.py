@@ -248,8 +248,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             num_known = len(request.all_token_ids) + placeholders
-            if placeholders and (len(request.output_token_ids) + placeholders >= request.max_tokens
-                                 or num_known >= max_model_len):
+            if placeholders and self._last_token_in_flight(request, num_known):
                 i += 1  # its last token is already being sampled
                 continue
             num_left = num_known - num_computed
@@ -377,15 +376,24 @@ class Scheduler:
         return token_budget, num_partial
 
     def _has_decode(self) -> bool:
-        """Whether a running request has exactly one token left to compute (a decode).
+        """Whether a running request has exactly one token left to compute (a decode), not counting one
+        whose final token is already being sampled (async scheduling: the loop skips it).
 
         Stops at the first: under load most running requests decode, so this
         reads one or two of them.
         """
         for r in self.running:
-            if len(r.all_token_ids) + r.num_output_placeholders - r.num_computed_tokens == 1:
+            num_known = len(r.all_token_ids) + r.num_output_placeholders
+            if num_known - r.num_computed_tokens == 1 and not (
+                    r.num_output_placeholders and self._last_token_in_flight(r, num_known)):
                 return True
         return False
+
+    def _last_token_in_flight(self, request: Request, num_known: int) -> bool:
+        """Async scheduling: the request's final token (max_tokens or max_model_len) is already being sampled,
+        so it has nothing left to schedule (call only when it has output placeholders)."""
+        return (len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens
+                or num_known >= self.max_model_len)
 
     @staticmethod
     def _unschedule(request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> tuple[int, int]:

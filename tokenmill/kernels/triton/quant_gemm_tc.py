@@ -96,7 +96,7 @@ def quant_gemm_tc_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if CLAMP_FP16:
-        acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
+        acc = tl.clamp(acc, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as cuBLAS
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

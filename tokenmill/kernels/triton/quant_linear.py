@@ -630,8 +630,10 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
         plan = finish_plan(plan, m, n, w.in_features, sms, split_k)
     if plan.path == "cublas":
         y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
-    elif plan.path == "tc":
+    elif plan.path == "tc" and x.dtype != torch.float32:  # float32 x (IEEE dots) keeps dequantize + cuBLAS
         y = quant_gemm_tc(x, w, bias.to(x.dtype) if bias is not None else None)
+    elif plan.path == "tc":
+        y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
     else:
         y = _launch_matmul(x, w, bias, plan)
     return y.reshape(*lead, n)
