@@ -2,18 +2,28 @@
 # Session 12 (H200), third visit: bash visit3.sh a|b [budget_s], in quick succession (carry .devcarry and .whl).
 # a: the new kernels' GPU tests (the gpt-oss clamped SwiGLU's bit-equality, the int4 tensor-core GEMM at real
 #    sizes), then the server at concurrency 512 with the stall-free prefill cap and the batched front-end.
-# b: the int4 tensor-core GEMM against the planned path at batch-sized M; AWQ offline with it up to the largest M
-#    where it won every row of the sweep (--override quant_linear.TC_M_MAX); the FP8 KV cache offline.
+# b: if the capped server missed ITL p99 <= 150 ms, the same server without the cap; else the int4 tensor-core GEMM
+#    against the planned path at batch-sized M, AWQ offline with it up to the largest M where it won every row of
+#    the sweep (--override quant_linear.TC_M_MAX), the FP8 KV cache offline. ($OUT persists between warm calls.)
 set -u
 BUDGET=${2:-570}
 source benchmarks/gpu/visit_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case ${1:-a} in
 a)
-  TAILN=6 step gputests 90 $PT -m gpu tests/gpu/test_fused_elementwise_cuda.py -k swiglu \
-    tests/kernels/test_quant_gemm_tc.py -k gpu
-  TAILN=40 step serve512 260 bash benchmarks/gpu/serve_bench.sh ;;
+  TAILN=8 step gputests 100 $PT -m gpu tests/gpu/test_fused_elementwise_cuda.py -k swiglu \
+    tests/kernels/test_quant_gemm_tc.py -k gpu "tests/kernels/test_fp8_gemm.py::test_gpu_real_sizes"
+  TAILN=40 step serve512 260 bash benchmarks/gpu/serve_bench.sh
+  mkdir -p /tmp/s12 && cp $OUT/serve-llama-3.1-8b-c512.json /tmp/s12/ 2>/dev/null ;;
 b)
+  # The prefill cap's A/B when the capped server missed ITL p99 <= 150 ms; else the int4 kernel's parts.
+  P99=$(python -c "import json; print(round(json.load(open('/tmp/s12/serve-llama-3.1-8b-c512.json'))['p99_itl_ms']))" 2>/dev/null || echo 0)
+  echo "capped server ITL p99: $P99 ms"
+  if [ "$P99" -gt 150 ]; then
+    TAILN=40 step serve512-capoff 260 env OUT=$OUT/capoff bash benchmarks/gpu/serve_bench.sh -- \
+      --max-prefill-tokens-with-decodes 0
+    exit 0
+  fi
   TAILN=14 step large-m 60 python benchmarks/gpu/large_m_paths.py --m 128 256 512 1024 2048 4096
   TC=$(python - "$OUT/large-m.log" <<'PY'
 import sys
