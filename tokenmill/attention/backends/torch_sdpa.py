@@ -368,7 +368,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     """
     if slot_mapping.numel() == 0:
         return
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     if slot_mapping.device.type == "cpu":
         if (use_cpu_kernel and cpu_elementwise.kv_write_supports(key, value, kv_cache, slot_mapping)
                 and (lib := cpu_elementwise.load()) is not None):
@@ -379,6 +378,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     else:
         slot_mapping, key, value = _redirect_padding(slot_mapping, key, value)
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     store_kv(key, flat[0], slot_mapping, k_scale)
     store_kv(value, flat[1], slot_mapping, v_scale)
 
