@@ -23,7 +23,9 @@
  * is a 16-lane partial sum (vdpbf16ps on bfloat16 pairs where the CPU has
  * AVX512-BF16, else float32 FMAs), and the 16 partial sums are reduced into
  * one vector of 16 scores by a transpose-and-add tree (45 shuffles and adds
- * instead of 16 separate horizontal sums). exp is simd.h's vector
+ * instead of 16 separate horizontal sums). P @ V of a bfloat16 cache takes two
+ * keys per vdpbf16ps where the CPU has AVX512-BF16 (`pv_bf16_pairs`), else one
+ * float32 FMA per key and head. exp is simd.h's vector
  * polynomial; exponents below -87 give 0, as in block_decode; NaN stays NaN.
  * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
