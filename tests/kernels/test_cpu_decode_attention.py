@@ -126,6 +126,18 @@ def test_bfloat16_rounds_where_it_says(lib):
     assert near < 0.02 and near < far / 2, (near, far)
 
 
+@pytest.mark.parametrize("window", [7, 40])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_window_starts_at_odd_keys(lib, window, head_dim):
+    """bfloat16 P @ V takes keys in pairs (vdpbf16ps where the CPU has it): windows that start at odd
+    positions inside a block, odd key counts and pairs that straddle two blocks stay within bfloat16 error."""
+    table, cache = _batch(SEQ_LENS, 3, head_dim, 16, torch.bfloat16, seed=30)
+    query = torch.randn(len(SEQ_LENS), 9, head_dim, generator=torch.Generator().manual_seed(31)).bfloat16()
+    out = _run(lib, query, cache, table, SEQ_LENS, 0.125, window=window)
+    ref = _reference(query, cache, table, SEQ_LENS, 0.125, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_strided_queries_and_permuted_rows(lib):
     """Queries as row-strided views of a fused qkv output; decode i reads block-table row req_idx[i]
     (not i) and its query/output row q_rows[i], as in a step that mixes prefills and decodes."""

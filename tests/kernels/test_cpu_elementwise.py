@@ -157,6 +157,56 @@ def test_rope_rejects_a_position_past_the_table(lib):
         rope(torch.tensor([3, 32]), q, k)
 
 
+def _kv_write_case(dtype: torch.dtype, seed: int):
+    """Key / value as row-strided views of one fused qkv output (the models' case), a cache with garbage in it,
+    slots that cross blocks and include padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, hkv, d, num_blocks, block_size = 6, 3, 64, 5, 16
+    qkv = (torch.randn(num_tokens, (9 + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    _, k, v = qkv.split([9 * d, hkv * d, hkv * d], dim=-1)
+    key, value = k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    slots = torch.tensor([0, 17, -1, 79, 15, 40])
+    return key, value, cache, slots
+
+
+def _kv_write_reference(key, value, cache, slots):
+    """`torch_sdpa.write_kv_cache`'s PyTorch path: index_copy_ of the valid rows."""
+    want = cache.clone()
+    flat = want.view(2, -1, *cache.shape[3:])
+    valid = slots >= 0
+    flat[0].index_copy_(0, slots[valid], key[valid])
+    flat[1].index_copy_(0, slots[valid], value[valid])
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_is_the_index_copy_reference(lib, dtype):
+    from tokenmill.attention.backends.torch_sdpa import write_kv_cache
+
+    key, value, cache, slots = _kv_write_case(dtype, seed=9)
+    want = _kv_write_reference(key, value, cache, slots)
+    assert cpu_elementwise.kv_write_supports(key, value, cache, slots)
+    got = cache.clone()
+    cpu_elementwise.write_kv_cache(lib, key, value, got, slots)
+    assert torch.equal(got, want)
+    got = cache.clone()  # the backend's entry point takes the kernel
+    write_kv_cache(key, value, got, slots, use_cpu_kernel=True)
+    assert torch.equal(got, want)
+
+
+def test_write_kv_cache_rejects_bad_slots_and_layouts(lib):
+    key, value, cache, slots = _kv_write_case(torch.bfloat16, seed=10)
+    before = cache.clone()
+    with pytest.raises(IndexError, match="outside"):
+        cpu_elementwise.write_kv_cache(lib, key, value, cache, torch.tensor([0, 1, 2, 3, 4, 80]))
+    assert torch.equal(cache, before)  # checked before any row is written
+    with pytest.raises(ValueError, match="cache.s dtype"):  # a dtype other than the cache's
+        cpu_elementwise.write_kv_cache(lib, key.float(), value.float(), cache, slots)
+    # An fp8 cache, or heads that are not one run, keep the PyTorch path.
+    assert not cpu_elementwise.kv_write_supports(key.transpose(1, 2).contiguous().transpose(1, 2), value, cache, slots)
+
+
 def test_wrappers_reject_layouts_they_do_not_take(lib):
     with pytest.raises(ValueError, match="even last dim"):
         cpu_elementwise.silu_and_mul(lib, torch.randn(2, 7))
@@ -186,3 +236,7 @@ def test_plain_c_path_without_avx512(plain_c_kernels):
     got = cpu_elementwise.rotary_neox(plain, pos, q, k, rope.cos_cache, rope.sin_cache)
     want = rope.forward_torch(pos, q, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    key, value, cache, slots = _kv_write_case(torch.bfloat16, seed=11)
+    got = cache.clone()
+    cpu_elementwise.write_kv_cache(plain, key, value, got, slots)
+    assert torch.equal(got, _kv_write_reference(key, value, cache, slots))

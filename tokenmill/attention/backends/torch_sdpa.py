@@ -65,7 +65,7 @@ from tokenmill.attention.backends.block_decode import BlockDecodePlan, block_dec
 from tokenmill.attention.backends.fused_sdpa import chunk_sdpa, fresh_prefill_sdpa
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.dtypes import is_fp8
-from tokenmill.kernels.cpu import decode as cpu_decode
+from tokenmill.kernels.cpu import decode as cpu_decode, elementwise as cpu_elementwise
 from tokenmill.kernels.kv_fp8 import gather_blocks, store_kv
 
 # CPU cache dtypes that block_decode reads in place (its matmuls run in the cache's dtype).
@@ -113,6 +113,7 @@ class _Plan:
     decode_seq_lens: torch.Tensor | None = None
     decode_rows: cpu_decode.DecodeRows | None = None  # the same rows converted for the kernel, once per step
     slots_valid: bool | None = None  # CPU: no padding slot (-1) among the step's slots; None = not yet checked
+    num_rows: int = 0  # token rows of the step's requests (query_start_loc[num_reqs]); rows past it are padding
 
 
 class TorchSDPABackend:
@@ -186,16 +187,20 @@ class TorchSDPABackend:
             from_cache = False  # block_decode reads 16/32-bit caches only: gather and cast instead
         plan = self._get_plan(attn_metadata, sliding_window, kv_cache.shape[2], query.device, from_cache,
                               kernel is not None)
-        slots = attn_metadata.slot_mapping[:n]
+        slots = attn_metadata.slot_mapping
+        if n != key.shape[0] or n != slots.shape[0]:  # padded rows (a whole decode batch has none: no slicing)
+            key, value, slots = key[:n], value[:n], slots[:n]
         if plan.slots_valid is None and slots.device.type == "cpu":  # once per step, not per layer
             plan.slots_valid = slots.numel() == 0 or int(slots.min()) >= 0
-        write_kv_cache(key[:n], value[:n], kv_cache, slots, k_scale, v_scale, all_valid=bool(plan.slots_valid))
+        write_kv_cache(key, value, kv_cache, slots, k_scale, v_scale, all_valid=bool(plan.slots_valid),
+                       use_cpu_kernel=self.use_cpu_kernel)
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         # Every token row of the step's requests is written below; only padding rows need zeros.
         out = torch.empty_like(query)
-        out[int(attn_metadata.query_start_loc_cpu[attn_metadata.num_reqs]) :].zero_()
+        if plan.num_rows < out.shape[0]:
+            out[plan.num_rows :].zero_()
         if plan.decode_reqs is not None:
             assert kernel is not None and plan.decode_rows is not None
             cpu_decode.decode_rows_attention(kernel, query, kv_cache, plan.decode_rows, scale, out, sliding_window,
@@ -248,7 +253,7 @@ class TorchSDPABackend:
         qsl, seq_lens = md.query_start_loc_cpu.astype(np.int64), md.seq_lens_cpu.astype(np.int64)
         num_reqs = md.num_reqs
         query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-        plan = _Plan(md, window, with_kernel)
+        plan = _Plan(md, window, with_kernel, num_rows=int(qsl[num_reqs]))
         decodes = np.flatnonzero(query_lens == 1)
         if len(decodes) and from_cache and with_kernel:
             plan.decode_reqs = torch.from_numpy(decodes.astype(np.int64))
@@ -350,24 +355,30 @@ def _plan_tiles(
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0, all_valid: bool = False) -> None:
+                   k_scale: float = 1.0, v_scale: float = 1.0, all_valid: bool = False,
+                   use_cpu_kernel: bool = False) -> None:
     """Store each token's K/V at its slot; slot -1 (padding) is skipped.
 
     key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D];
     slot_mapping: [T] int64 (slot = block_id * block_size + offset). An fp8
     cache stores key / k_scale and value / v_scale (`kernels.kv_fp8.quantize_kv`).
     all_valid: the caller checked that no slot is -1 (the CPU path then skips its own check).
+    use_cpu_kernel: a 16/32-bit CPU cache in the tokens' dtype is written by one C call
+    (`kernels.cpu.elementwise.write_kv_cache`, the same bytes) where the kernels build.
     """
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     if slot_mapping.numel() == 0:
         return
     if slot_mapping.device.type == "cpu":
+        if (use_cpu_kernel and cpu_elementwise.kv_write_supports(key, value, kv_cache, slot_mapping)
+                and (lib := cpu_elementwise.load()) is not None):
+            cpu_elementwise.write_kv_cache(lib, key, value, kv_cache, slot_mapping)  # skips -1 slots itself
+            return
         if not all_valid and int(slot_mapping.min()) < 0:
             valid = slot_mapping >= 0
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     else:
         slot_mapping, key, value = _redirect_padding(slot_mapping, key, value)
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     store_kv(key, flat[0], slot_mapping, k_scale)
     store_kv(value, flat[1], slot_mapping, v_scale)
 

@@ -1,4 +1,4 @@
-"""Build and load tokenmill's C kernels for the CPU (decode attention, RMSNorm, SiLU-and-mul, RoPE).
+"""Build and load tokenmill's C kernels for the CPU (decode attention, RMSNorm, SiLU-and-mul, RoPE, KV writes).
 
 Each kernel is one C source beside its Python wrapper. `load_library(source)`
 compiles it with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`)

@@ -157,8 +157,10 @@ def decode_rows_attention(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch
     kv_fmt = kv_fp8_code(kv_cache.dtype)  # the C source's KV_FMT
     unit = kv_unit(kv_cache.dtype)
     table = rows.table
+    k_cache = kv_cache.data_ptr()  # kv_cache[0] and [1] by address (the cache is contiguous): no select ops
+    v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size()
     rc = lib.paged_decode_attention(
-        query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache, v_cache, out.data_ptr(),
         out.stride(0), table.data_ptr(), table.stride(0), rows.req_idx.data_ptr(), rows.q_rows.data_ptr(),
         rows.seq_lens.data_ptr(), rows.req_idx.shape[0], num_heads, num_kv_heads, head_dim, block_size, window or 0,
         scale * (k_scale * unit if kv_fmt else 1.0), cap or 0.0, int(query.dtype == torch.bfloat16), kv_fmt,

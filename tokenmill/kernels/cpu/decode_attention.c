@@ -23,7 +23,9 @@
  * is a 16-lane partial sum (vdpbf16ps on bfloat16 pairs where the CPU has
  * AVX512-BF16, else float32 FMAs), and the 16 partial sums are reduced into
  * one vector of 16 scores by a transpose-and-add tree (45 shuffles and adds
- * instead of 16 separate horizontal sums). exp is simd.h's vector
+ * instead of 16 separate horizontal sums). P @ V of a bfloat16 cache takes two
+ * keys per vdpbf16ps where the CPU has AVX512-BF16 (`pv_bf16_pairs`), else one
+ * float32 FMA per key and head. exp is simd.h's vector
  * polynomial; exponents below -87 give 0, as in block_decode; NaN stays NaN.
  * Without AVX-512 (F, BW and VL) the same passes run as plain loops.
  *
@@ -193,6 +195,58 @@ static inline __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+#if defined(__AVX512BF16__)
+/* Pass 3 for a bfloat16 cache with AVX512-BF16: acc[g * HD / 16 + j] = sum_t p[g][t] * v_t[16 j .. 16 j + 16)
+ * (float32), two keys per vdpbf16ps. The probabilities are already bfloat16 values (pass 2 rounds them), so
+ * each product p * v is exact in float32 as in the FMA loop; only the order of the float32 additions differs
+ * (pairs of keys summed before they join the accumulator). Keys t and t + 1 are interleaved 16 bits apart by
+ * unpacklo / unpackhi, which work per 128-bit lane: for a 32-element chunk, the lo vector's slot 4 L + k holds
+ * element 8 L + k and the hi vector's slot 4 L + k holds element 8 L + 4 + k (L = lane 0-3, k = 0-3); the sums
+ * are put back in element order once per item. An odd last key pairs with itself at probability 0. */
+static inline __attribute__((always_inline)) void pv_bf16_pairs(const Args *a, const int32_t *table, int64_t start,
+                                                                 int64_t n, const float *s, int64_t ns, int64_t h,
+                                                                 const int64_t G, const int64_t HD, __m512 *acc) {
+    const int64_t bs = a->block_size, ts = a->num_kv_heads * HD, J = HD / 32;
+    __m512 lo[MAX_GROUP * MAX_HEAD_DIM / 32], hi[MAX_GROUP * MAX_HEAD_DIM / 32];
+    for (int64_t i = 0; i < G * J; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    int64_t b = start / bs, off = start % bs; /* key t's block and offset, advanced without division */
+    for (int64_t t = 0; t < n; t += 2) {
+        const uint16_t *v0 = (const uint16_t *)a->v_cache + ((int64_t)table[b] * bs + off) * ts + h * HD;
+        if (++off == bs) off = 0, b++;
+        const uint16_t *v1 = v0;
+        const int two = t + 1 < n;
+        if (two) {
+            v1 = (const uint16_t *)a->v_cache + ((int64_t)table[b] * bs + off) * ts + h * HD;
+            if (++off == bs) off = 0, b++;
+        }
+        __m512i vl[MAX_HEAD_DIM / 32], vh[MAX_HEAD_DIM / 32];
+        for (int64_t j = 0; j < J; j++) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(v0 + 32 * j));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(v1 + 32 * j));
+            vl[j] = _mm512_unpacklo_epi16(x0, x1);
+            vh[j] = _mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            uint32_t p0, p1 = 0;
+            memcpy(&p0, s + g * ns + t, 4);
+            if (two) memcpy(&p1, s + g * ns + t + 1, 4);
+            const __m512i pp = _mm512_set1_epi32((int)((p0 >> 16) | (p1 & 0xffff0000u)));
+            for (int64_t j = 0; j < J; j++) {
+                lo[g * J + j] = _mm512_dpbf16_ps(lo[g * J + j], (__m512bh)vl[j], (__m512bh)pp);
+                hi[g * J + j] = _mm512_dpbf16_ps(hi[g * J + j], (__m512bh)vh[j], (__m512bh)pp);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < J; j++) {
+            acc[g * 2 * J + 2 * j] = _mm512_permutex2var_ps(lo[g * J + j], first, hi[g * J + j]);
+            acc[g * 2 * J + 2 * j + 1] = _mm512_permutex2var_ps(lo[g * J + j], second, hi[g * J + j]);
+        }
+}
+#endif
+
 /* One row, G query heads per KV head and head_dim HD fixed at compile time (loops unroll). */
 static inline __attribute__((always_inline)) int item_avx512(const Args *a, int64_t r, int64_t h, const int64_t G,
                                                                const int64_t HD, const int is_bf16) {
@@ -278,6 +332,12 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
         /* pass 3: P @ V in float32 registers */
         __m512 acc[MAX_GROUP * MAX_HEAD_DIM / 16];
         for (int64_t i = 0; i < G * C; i++) acc[i] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+        if (is_bf16 && kv_fmt == 0) {
+            pv_bf16_pairs(a, table, start, n, s, ns, h, G, HD, acc);
+            goto store;
+        }
+#endif
         for (int64_t t = 0; t < n;) {
             const int64_t pos = start + t, b = pos / bs, off = pos % bs;
             const int64_t c = bs - off < n - t ? bs - off : n - t;
@@ -291,6 +351,9 @@ static inline __attribute__((always_inline)) int item_avx512(const Args *a, int6
                 }
             }
         }
+#if defined(__AVX512BF16__)
+    store:;
+#endif
         char *op = (char *)a->out + (a->q_rows[r] * a->out_row_stride + h * G * HD) * es;
         const __m512 osc = _mm512_set1_ps(a->out_scale);
         for (int64_t g = 0; g < G; g++)

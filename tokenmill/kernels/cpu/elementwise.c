@@ -14,11 +14,16 @@
  *   RoPE, neox style (Su et al. 2021; rotary.py forward_torch), c = T(cos), s = T(sin) of the position:
  *     out[:h] = T(T(x1 * c) - T(x2 * s)),  out[h:] = T(T(x2 * c) + T(x1 * s)),  [x1 | x2] = a head
  *
+ *   KV-cache write (vLLM's reshape_and_cache for a 16/32-bit cache): k_cache[slot] = k, v_cache[slot] = v,
+ *     a copy of each token's row (no rounding); slot -1 (padding) is skipped
+ *
  * T(.) rounds float32 to bfloat16 (nearest even) for bfloat16 tensors and is
  * the identity for float32; e^x is simd.h's vector polynomial. Rows are shared by OpenMP threads
  * (torch's libgomp) when a call has at least PARALLEL_MIN elements.
  */
 #include "simd.h"
+
+#include <string.h>
 
 #define PARALLEL_MIN 32768
 
@@ -170,6 +175,23 @@ int rotary_neox(const int64_t *positions, const void *q, int64_t q_stride, int64
         for (int64_t j = 0; j < nk; j++)
             rope_head((const char *)k + (t * k_stride + j * d) * es, (char *)k_out + (t * nk + j) * d * es, c, s, h,
                       is_bf16);
+    }
+    return 0;
+}
+
+/* k, v [T, row] (row = Hkv * D elements of es bytes; row strides k_stride / v_stride in elements) -> the flat
+ * caches [num_slots, row] (contiguous) at slots [T] int64; a slot of -1 is skipped.
+ * Returns 0, or -1 (nothing written) when a slot is outside [-1, num_slots). One thread: a decode step's
+ * rows are a few KiB, less than an OpenMP region's start-up costs. */
+int write_kv_cache(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache, void *v_cache,
+                   const int64_t *slots, int64_t num_tokens, int64_t row, int64_t num_slots, int64_t es) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return -1;
+    const size_t n = (size_t)(row * es);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy((char *)k_cache + slots[t] * row * es, (const char *)k + t * k_stride * es, n);
+        memcpy((char *)v_cache + slots[t] * row * es, (const char *)v + t * v_stride * es, n);
     }
     return 0;
 }

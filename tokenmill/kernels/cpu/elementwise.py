@@ -1,9 +1,11 @@
-"""RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU in C (`elementwise.c`): one call instead of 2-10 ops.
+"""RMSNorm (+ residual add), SiLU-and-mul, RoPE and the KV-cache write on CPU in C (`elementwise.c`): one call
+instead of 2-10 ops.
 
 On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
 one more pass over memory; a decode step of a 30-layer model runs ~60 norms,
-30 activations and 30 RoPEs. These C loops make one pass each, with the
+30 activations, 30 RoPEs and 30 KV-cache writes (two `index_copy_` calls each, ~50 us apiece
+at batch 64 on the 2-core dev VM, for a few KiB of rows). These C loops make one pass each, with the
 reference's roundings (see the C file): in bfloat16 the outputs are the reference's bits
 except where RMSNorm's float32 sum of squares, added in another order, moves
 an element by one ulp; in float32 they differ in the last bits (the sum
@@ -35,6 +37,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.silu_and_mul.restype = None
     lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
     lib.rotary_neox.restype = c_int
+    lib.write_kv_cache.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.write_kv_cache.restype = c_int
 
 
 def load() -> ctypes.CDLL | None:
@@ -158,3 +162,51 @@ def rotary_neox(lib: ctypes.CDLL, positions: torch.Tensor, query: torch.Tensor, 
         if rc != 0:
             raise IndexError(f"RoPE: a position is outside [0, {cos_cache.shape[0]}) (the model's max_position)")
     return q_out, k_out
+
+
+def kv_write_supports(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> bool:
+    """True for the layouts `write_kv_cache` takes (see there)."""
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in DTYPES or kv_cache.dim() != 5:
+        return False
+    if not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        return False
+    if slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous():
+        return False
+    rows = (slot_mapping.shape[0], kv_cache.shape[3], kv_cache.shape[4])
+    for x in (key, value):
+        if x.device.type != "cpu" or x.dtype != kv_cache.dtype or tuple(x.shape) != rows:
+            return False
+        if x.stride(2) != 1 or x.stride(1) != rows[2]:  # each token's heads are one contiguous run
+            return False
+    return True
+
+
+def write_kv_cache(lib: ctypes.CDLL, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Copy key / value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
+    (slot = block * block_size + offset; -1, padding, is skipped), in place: `attention.backends.torch_sdpa.
+    write_kv_cache` for a float32 / bfloat16 cache in the tokens' dtype, one C call instead of two index_copy_.
+
+    key / value may be views with a token stride (slices of the fused qkv output); each token's Hkv * D
+    elements must be contiguous. kv_cache contiguous; slot_mapping contiguous, on the CPU.
+
+    Raises:
+        ValueError: shapes, dtypes or layouts other than these (`kv_write_supports`).
+        IndexError: a slot outside [-1, num_blocks * block_size) (nothing is written).
+    """
+    if not kv_write_supports(key, value, kv_cache, slot_mapping):
+        raise ValueError(f"write_kv_cache: key {tuple(key.shape)} {key.dtype}, value {tuple(value.shape)} "
+                         f"{value.dtype}, cache {tuple(kv_cache.shape)} {kv_cache.dtype}: not the [T, Hkv, D] "
+                         "rows of the cache's dtype, with contiguous heads, that the kernel takes")
+    num_tokens = slot_mapping.shape[0]
+    if not num_tokens:
+        return
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    k_cache = kv_cache.data_ptr()  # kv_cache[0] and [1] by address: no select ops
+    v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size()
+    rc = lib.write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache, v_cache,
+                            slot_mapping.data_ptr(), num_tokens,
+                            kv_cache.shape[3] * kv_cache.shape[4], num_slots, kv_cache.element_size())
+    if rc != 0:
+        raise IndexError(f"write_kv_cache: a slot is outside [-1, {num_slots}) (the cache's slots)")
