@@ -29,7 +29,7 @@ the CPU seconds of the API-server process, the core process and the bench
 client during the measured run.
 
     python benchmarks/frontend_bench.py --tokenizer /work/main/.devcarry/serve-tok \\
-        [--concurrency 512 64] [--num-prompts 1000] [--step-ms 25] [--py-spy /tmp/fe.speedscope.json]
+        [--concurrency 512 64] [--num-prompts N] [--step-ms 25] [--py-spy /tmp/fe.speedscope.json]
 
 The machine is usually shared: compare trees interleaved (A, B, A, B).
 """
@@ -162,7 +162,37 @@ def _serve_child(argv: list[str]) -> int:
             super().__init__(engine_config, num_threads=1, core_class=CORE_CLASS)
 
     async_llm.EngineCoreClient = SyntheticCoreClient
+    start = async_llm.AsyncLLM.start
+
+    async def start_and_watch_the_loop(self, timeout_s=None) -> None:
+        await start(self, timeout_s)
+        import asyncio
+
+        asyncio.get_running_loop().create_task(_watch_loop_lag())
+
+    async_llm.AsyncLLM.start = start_and_watch_the_loop
     return main(["serve", *argv])
+
+
+async def _watch_loop_lag(period_s: float = 0.01, report_s: float = 10.0) -> None:
+    """Log (server log) how late a `period_s` sleep wakes up: the event loop's stalls, p50 / p99 / max in ms."""
+    import asyncio
+    import logging
+
+    log = logging.getLogger("frontend_bench")
+    lags: list[float] = []
+    last_report = time.monotonic()
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(period_s)
+        now = time.monotonic()
+        lags.append(now - t0 - period_s)
+        if now - last_report >= report_s:
+            lags.sort()
+            log.warning("event-loop lag ms: p50 %.1f p99 %.1f max %.1f (%d samples)", 1e3 * lags[len(lags) // 2],
+                        1e3 * lags[int(len(lags) * 0.99)], 1e3 * lags[-1], len(lags))
+            lags.clear()
+            last_report = now
 
 
 def _free_port() -> int:
@@ -185,9 +215,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def ideal_rate(output_lens: list[int], concurrency: int, step_s: float) -> float:
-    """Output tok/s of the synthetic engine with a perfect front end: requests in order onto
-    `concurrency` slots, one token per step each (a request's L tokens take L steps)."""
+def ideal_steps(output_lens: list[int], concurrency: int) -> int:
+    """Steps the synthetic engine takes with a perfect front end: requests in order onto `concurrency`
+    slots, one token per step each (a request's L tokens take L steps). Ideal output tok/s =
+    sum(output_lens) / (steps x step time); ideal mean running requests per step = sum(output_lens) / steps."""
     slots = [0] * min(concurrency, len(output_lens))
     heapq.heapify(slots)
     end = 0
@@ -195,7 +226,7 @@ def ideal_rate(output_lens: list[int], concurrency: int, step_s: float) -> float
         t = heapq.heappop(slots) + n
         end = max(end, t)
         heapq.heappush(slots, t)
-    return sum(output_lens) / (end * step_s) if end else 0.0
+    return end
 
 
 def _make_model_dir(tokenizer_dir: Path) -> Path:
@@ -243,7 +274,8 @@ def main() -> int:
     p.add_argument("--tokenizer", type=Path, default=ROOT / ".devcarry/serve-tok",
                    help="folder with the SmolLM2 tokenizer.json (benchmarks/peers/gpu_carry.sh saves it)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[512, 64])
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per measured run (default: 1000 at concurrency >= 512, else 4 x concurrency)")
     p.add_argument("--warmup-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=562)
     p.add_argument("--output-len", type=int, default=562)
@@ -294,7 +326,8 @@ def main() -> int:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             ru0 = os.times()
             t0 = time.monotonic()
-            _bench(port, model, c, args.num_prompts, args, result)
+            num_prompts = args.num_prompts or (1000 if c >= 512 else 4 * c)
+            _bench(port, model, c, num_prompts, args, result)
             wall = time.monotonic() - t0
             ru1 = os.times()
             if spy is not None:
@@ -304,12 +337,15 @@ def main() -> int:
             core_cpu = sum(_cpu_s(q) for q in core_pids) - core0
             client_cpu = (ru1.children_user + ru1.children_system) - (ru0.children_user + ru0.children_system)
             r = json.loads(result.read_text())
-            ideal = ideal_rate([n for n in r["output_lens"] if n], c, args.step_ms / 1000)
+            lens = [n for n in r["output_lens"] if n]
+            steps = ideal_steps(lens, c)
+            ideal = sum(lens) / (steps * args.step_ms / 1000)
             period = _last_period(stats)
             print(f"concurrency {c}: output {r['output_throughput']:.0f} tok/s of ideal {ideal:.0f} "
                   f"({100 * r['output_throughput'] / ideal:.1f}%); ITL p50 {r['p50_itl_ms']:.1f} p99 "
                   f"{r['p99_itl_ms']:.1f} ms; TTFT p50 {r['p50_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms; "
-                  f"TPOT p50 {r['p50_tpot_ms']:.1f} ms; core mean running {period.get('mean_running', 0):.0f}, "
+                  f"TPOT p50 {r['p50_tpot_ms']:.1f} ms; core mean running {period.get('mean_running', 0):.0f} "
+                  f"(ideal {sum(lens) / steps:.0f}), "
                   f"late {period.get('late_s', 0):.1f} s; CPU s: API server {server_cpu:.1f}, core {core_cpu:.1f}, "
                   f"client {client_cpu:.1f} (wall {wall:.1f} s; {r['completed']} done)", flush=True)
     finally:
