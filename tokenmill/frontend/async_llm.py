@@ -30,6 +30,7 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.config.configs import EngineConfig
+    from tokenmill.frontend.output_processor import RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         # Core requests updated by the OUTPUTS messages read since the last `_flush_outputs`
         # (see EngineCoreClient.start_reader: one output per request per batch of messages).
-        self._touched: dict[str, Any] = {}
+        self._touched: dict[str, RequestState] = {}
         self._to_stop: list[str] = []  # core ids a stop string finished, to abort in the core at the flush
 
     @classmethod
