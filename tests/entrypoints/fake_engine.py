@@ -55,6 +55,13 @@ class FakeStream:
             self.unfinished.discard(out.request_id)
         return out
 
+    async def next_ready(self) -> list[RequestOutput]:
+        """As `OutputStream.next_ready`: one output, plus up to `engine.ready_group - 1` more queued behind it."""
+        outs = [await self.__anext__()]
+        while len(outs) < self.engine.ready_group and self.items and not isinstance(self.items[0], BaseException):
+            outs.append(await self.__anext__())
+        return outs
+
     def close(self) -> None:
         self.engine.aborted.extend(sorted(self.unfinished))
         self.unfinished.clear()
@@ -70,6 +77,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
         self.healthy = True
+        # Outputs a stream hands over per `next_ready` (more than 1: a consumer that fell behind).
+        self.ready_group = 1
         # The keyword arguments of the last apply_chat_template call.
         self.template_kwargs: dict[str, Any] = {}
 

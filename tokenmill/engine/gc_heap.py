@@ -20,7 +20,7 @@ def freeze_gc_heap() -> None:
     """Collect once, then freeze every live object for the rest of the process.
 
     For a process that serves one engine until it exits (the server's engine
-    core). The collection first makes sure no garbage cycle (which could hold
+    core, and the API server once its app is built). The collection first makes sure no garbage cycle (which could hold
     tensors) is frozen for good.
     """
     gc.collect()

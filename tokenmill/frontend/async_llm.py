@@ -30,6 +30,7 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.config.configs import EngineConfig
+    from tokenmill.frontend.output_processor import RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class AsyncLLM:
         self.log_requests = False
         self.max_log_len: int | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Core requests updated by the OUTPUTS messages read since the last `_flush_outputs`
+        # (see EngineCoreClient.start_reader: one output per request per batch of messages).
+        self._touched: dict[str, RequestState] = {}
+        self._to_stop: list[str] = []  # core ids a stop string finished, to abort in the core at the flush
 
     @classmethod
     async def from_engine_args(cls, engine_args: Any, usage: str = "server") -> AsyncLLM:
@@ -104,7 +109,7 @@ class AsyncLLM:
         """
         info = await self.client.start(timeout_s)
         logger.info("engine core ready: %s", info)
-        self.client.start_reader(self._on_message)
+        self.client.start_reader(self._on_message, self._flush_outputs)
 
     @property
     def is_running(self) -> bool:
@@ -254,10 +259,16 @@ class AsyncLLM:
         return len(self._queues)
 
     def _on_message(self, kind: bytes, obj: Any) -> None:
-        """Reader-task callback: route one core message (see `serial.MessageKind`)."""
+        """Reader-task callback: route one core message (see `serial.MessageKind`).
+
+        OUTPUTS only update the requests' states; `_flush_outputs` (after the
+        reader's batch, or before any other message) sends the outputs.
+        """
         if kind == MessageKind.OUTPUTS:
             self._on_outputs(obj)
-        elif kind == MessageKind.REQUEST_ERROR:
+            return
+        self._flush_outputs()
+        if kind == MessageKind.REQUEST_ERROR:
             core_id, message = obj
             state = self.output_processor.request_states.get(core_id)
             user_id = state.parent.request_id if state is not None and state.parent is not None else core_id
@@ -284,16 +295,23 @@ class AsyncLLM:
             return
         seen = observer.observe_core_outputs(outputs, self.output_processor.request_states) \
             if observer is not None else None
-        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs)
+        self._to_stop.extend(self.output_processor.update(outputs, self._touched))
         if seen:
             observer.observe_processed(seen)
-        for out in request_outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
-        if reqs_to_abort:
+
+    def _flush_outputs(self) -> None:
+        """Send one `RequestOutput` per updated request to its stream; stop string-finished requests in the core."""
+        touched, to_stop = self._touched, self._to_stop
+        if touched:
+            self._touched = {}
+            for out in self.output_processor.make_outputs(touched):
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+        if to_stop:
+            self._to_stop = []
             # Stop strings finished these in the front end; free them in the core.
-            self.client.abort_requests(list(reqs_to_abort), RequestStatus.FINISHED_STOPPED)
+            self.client.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
 
     def shutdown(self) -> None:
         """Stop the core process (idempotent)."""
@@ -312,6 +330,7 @@ class OutputStream:
         self._llm = llm
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished: set[str] = set()
+        self._error: BaseException | None = None  # taken from the queue by `next_ready`, raised by the next call
 
     def __aiter__(self) -> OutputStream:
         return self
@@ -319,7 +338,37 @@ class OutputStream:
     async def __anext__(self) -> RequestOutput:
         if not self.unfinished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        return self._take(await self._get())
+
+    async def next_ready(self) -> list[RequestOutput]:
+        """Wait for the next output, then also take every output already queued behind it (in order).
+
+        A stream consumer that fell behind (a slow client, a busy event loop)
+        gets all its pending outputs at once and can send them as one chunk.
+        Raises StopAsyncIteration when every request has finished, and a
+        queued error (`ValueError`, `EngineDeadError`) once the outputs
+        queued before it were returned.
+        """
+        if not self.unfinished:
+            raise StopAsyncIteration
+        queue = self.queue
+        outs = [self._take(await self._get())]
+        while self.unfinished and not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item  # raised by the next call, after the outputs queued before it
+                break
+            outs.append(self._take(item))
+        return outs
+
+    async def _get(self) -> RequestOutput | BaseException:
+        error = self._error
+        if error is not None:
+            self._error = None
+            return error
+        return await self.queue.get()
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             raise item
         if item.finished:

@@ -165,10 +165,30 @@ class OutputProcessor:
             merged), and the core request ids that a stop string finished and
             the core must stop (they are still running there).
         """
+        touched: dict[str, RequestState] = {}
+        reqs_to_abort = self.update(engine_core_outputs, touched)
+        return self.make_outputs(touched), reqs_to_abort
+
+    def update(self, engine_core_outputs: EngineCoreOutputs, touched: dict[str, RequestState]) -> list[str]:
+        """Apply one step's new tokens without building outputs; call `make_outputs(touched)` after.
+
+        Several steps may be applied in a row (a front end that fell behind
+        drains every queued step) before one `make_outputs`: each request then
+        gets one output covering all of them (CUMULATIVE: the latest snapshot;
+        DELTA: everything since its last output), with the same text, token
+        ids and logprobs as step-by-step outputs would carry together.
+
+        Args:
+            touched: core request id -> state; the requests with something to
+                report are added (first-touch order is the outputs' order).
+
+        Returns:
+            The core request ids a stop string finished (the core must stop them).
+            A request that finished leaves `request_states` here, so later
+            steps' tokens for it (the core ran ahead) are ignored.
+        """
         now = engine_core_outputs.timestamp or time.time()
         reqs_to_abort: list[str] = []
-        per_request: dict[str, RequestOutput] = {}
-        order: list[str] = []
         request_states = self.request_states
         final_only = RequestOutputKind.FINAL_ONLY
         for eco in engine_core_outputs.outputs:
@@ -178,27 +198,34 @@ class OutputProcessor:
             stopped_by_string = self._update(state, eco, now)
             if stopped_by_string and eco.finish_reason is None:
                 reqs_to_abort.append(eco.request_id)
-            if state.finish_reason is None and state.parent is None and state.output_kind == final_only:
-                continue  # running, and nothing is due before the end (the offline case)
-            completion = state.make_completion()
             if state.finish_reason is not None:
                 del request_states[state.request_id]
                 self._forget_child(state)
+            elif state.parent is None and state.output_kind == final_only:
+                continue  # running, and nothing is due before the end (the offline case)
+            touched[state.request_id] = state
+        return reqs_to_abort
+
+    def make_outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """The `RequestOutput`s due for the requests `update` touched: one per user request, in first-touch order."""
+        per_request: dict[str, RequestOutput] = {}
+        for state in touched.values():
+            completion = state.make_completion()
             ro = self._make_request_output(state, completion)
             if ro is None:
                 continue
             key = ro.request_id
-            if key in per_request:
-                if state.parent is not None and state.output_kind == RequestOutputKind.DELTA:
-                    per_request[key].outputs.append(completion)
-                    per_request[key].outputs.sort(key=lambda c: c.index)
-                else:
-                    per_request[key] = ro  # newer gathered snapshot supersedes
-                per_request[key].finished = ro.finished
-            else:
+            prev = per_request.get(key)
+            if prev is None:
                 per_request[key] = ro
-                order.append(key)
-        return [per_request[k] for k in order], reqs_to_abort
+                continue
+            if state.parent is not None and state.output_kind == RequestOutputKind.DELTA:
+                prev.outputs.append(completion)
+                prev.outputs.sort(key=lambda c: c.index)
+            else:
+                per_request[key] = prev = ro  # newer gathered snapshot supersedes
+            prev.finished = ro.finished
+        return list(per_request.values())
 
     # -- internals ---------------------------------------------------------
 

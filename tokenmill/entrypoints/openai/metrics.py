@@ -173,6 +173,8 @@ class ServerMetrics:
         """
         now = outputs.timestamp or time.time()
         pending: list[Any] = []
+        sets = self._sets
+        num_generated = num_prompt = 0  # counted once per step: a Counter.inc takes a lock
         for eco in outputs.outputs:
             state = request_states.get(eco.request_id)
             if state is None:  # aborted here while the core ran ahead
@@ -180,20 +182,27 @@ class ServerMetrics:
             m = state.metrics
             num_new = len(eco.new_token_ids)
             if num_new:
-                for s in self._sets:
-                    s.generation_tokens.inc(num_new)
-                    if m.first_token_time is None:
-                        s.prompt_tokens.inc(len(state.prompt_token_ids))
-                        s.ttft.observe(max(0.0, now - m.arrival_time))
-                    else:
-                        itl = max(0.0, now - m.last_token_time) / num_new
+                num_generated += num_new
+                if m.first_token_time is None:
+                    num_prompt += len(state.prompt_token_ids)
+                    ttft = max(0.0, now - m.arrival_time)
+                    for s in sets:
+                        s.ttft.observe(ttft)
+                else:
+                    itl = max(0.0, now - m.last_token_time) / num_new
+                    for s in sets:
                         s.itl.observe(itl)
                         s.tpot.observe(itl)
-            scheduled = getattr(eco, "scheduled_time", None)
+            scheduled = eco.scheduled_time
             if scheduled is not None:
-                for s in self._sets:
+                for s in sets:
                     s.queue.observe(max(0.0, scheduled - m.arrival_time))
             pending.append(state)
+        for s in sets:
+            if num_generated:
+                s.generation_tokens.inc(num_generated)
+            if num_prompt:
+                s.prompt_tokens.inc(num_prompt)
         return pending
 
     def observe_processed(self, pending: list[Any]) -> None:

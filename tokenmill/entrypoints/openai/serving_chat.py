@@ -21,6 +21,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Submission,
     finish_reason_text,
+    ready_outputs,
     token_logprobs,
 )
 from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
@@ -105,8 +106,8 @@ class OpenAIServingChat(OpenAIServing):
             yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]
         streamers = {c.index: req._output_parser.streamer() for c in sub.ordered_choices()}
-        async for out in sub.stream:
-            for choice, comp in sub.record(out):
+        async for outs in ready_outputs(sub.stream):
+            for choice, comp in sub.record_ready(outs):
                 for delta in self._delta_choice(req, choice, comp, streamers[choice.index]):
                     yield [delta]
 

@@ -16,6 +16,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Submission,
     finish_reason_text,
+    ready_outputs,
     token_logprobs,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
@@ -69,9 +70,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                 prompt_logprobs=self.prompt_logprobs_body(prompt_logprobs, as_ids))
 
     async def stream_choices(self, req: CompletionRequest, sub: Submission) -> AsyncIterator[list[dict[str, Any]]]:
-        """Text deltas per choice, finish reasons last."""
-        async for out in sub.stream:
-            for choice, comp in sub.record(out):
+        """Text deltas per choice, finish reasons last (one chunk per choice for all outputs queued at once)."""
+        async for outs in ready_outputs(sub.stream):
+            for choice, comp in sub.record_ready(outs):
                 chunk = self._delta_choice(req, sub, choice, comp)
                 if chunk is not None:
                     yield [chunk]

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import msgspec
 from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
@@ -92,6 +93,25 @@ class Submission:
             choice.last = comp
             pairs.append((choice, comp))
         return pairs
+
+    def record_ready(self, outs: list[RequestOutput]) -> list[tuple[ChoiceState, CompletionOutput]]:
+        """`record` each of `outs` (cumulative, in order); return each touched choice once, with its latest output.
+
+        A stream that fell behind sends one chunk per choice for all its
+        pending outputs: the delta from what was sent to the latest
+        cumulative output is the concatenation of the skipped deltas.
+        """
+        latest: dict[int, tuple[ChoiceState, CompletionOutput]] = {}
+        for out in outs:
+            for choice, comp in self.record(out):
+                latest[choice.index] = (choice, comp)
+        return list(latest.values())
+
+    def usage_dict(self) -> dict[str, Any]:
+        """`usage().model_dump()` without the model (built for every chunk with continuous usage stats)."""
+        p, c = self.num_prompt_tokens(), self.num_completion_tokens()
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens()}}
 
     def ordered_choices(self) -> list[ChoiceState]:
         return sorted(self.choices.values(), key=lambda c: c.index)
@@ -291,35 +311,59 @@ class OpenAIServing:
         """Extra top-level fields of a full response (a handler's hook; none by default)."""
         return {}
 
-    async def stream_response(self, req: Any, response_id: str, model: str, sub: Submission) -> AsyncIterator[str]:
+    async def stream_response(self, req: Any, response_id: str, model: str,
+                              sub: Submission) -> AsyncIterator[str | bytes]:
         """SSE chunks: those of `stream_choices`, then the usage chunk when asked, then [DONE].
 
         `stream_options.continuous_usage_stats` (with `include_usage`, as vLLM) also puts the usage so
         far on every chunk. An error after the headers went out is reported in-band
-        (`stream_error_body`), as vLLM does.
+        (`stream_error_body`), as vLLM does. Chunks are UTF-8 bytes (`SSEChunks`).
         """
-        created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            body: dict[str, Any] = {"id": response_id, "object": self.chunk_object, "created": created,
-                                    "model": model, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
-
+        chunk = SSEChunks(response_id, self.chunk_object, int(time.time()), model)
         try:
             async with aclosing(self.stream_choices(req, sub)) as chunks:
                 async for choices in chunks:
-                    yield chunk(choices, sub.usage().model_dump() if continuous else None)
+                    yield chunk(choices, sub.usage_dict() if continuous else None)
             if include_usage:
-                yield chunk([], sub.usage().model_dump())
+                yield chunk([], sub.usage_dict())
         except Exception as exc:  # noqa: BLE001 - after headers: report in-band
             yield sse(stream_error_body(exc))
         finally:
             sub.stream.close()
         yield SSE_DONE
+
+
+async def ready_outputs(stream: Any) -> AsyncIterator[list[RequestOutput]]:
+    """The outputs of an `OutputStream`, in groups: each wait's output plus every one queued behind it."""
+    while True:
+        try:
+            outs = await stream.next_ready()
+        except StopAsyncIteration:
+            return
+        yield outs
+
+
+class SSEChunks:
+    """Builds one stream's chunk events as bytes: `data: {"id", "object", "created", "model", "choices"[, "usage"]}`.
+
+    The fields every chunk repeats are encoded once; only `choices` (and
+    `usage`) are encoded per chunk, with msgspec (compact JSON, UTF-8; the
+    same values `json.dumps` gives, without the spaces and \\u escapes).
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, response_id: str, chunk_object: str, created: int, model: str) -> None:
+        enc = _json_encode
+        self._head = (b'data: {"id":' + enc(response_id) + b',"object":' + enc(chunk_object) + b',"created":'
+                      + enc(created) + b',"model":' + enc(model) + b',"choices":')
+
+    def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        if usage is None:
+            return self._head + _json_encode(choices) + b"}\n\n"
+        return self._head + _json_encode(choices) + b',"usage":' + _json_encode(usage) + b"}\n\n"
 
 
 def _with_cache_salt(prompt: Any, cache_salt: str) -> dict[str, Any]:
@@ -339,6 +383,7 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+_json_encode = msgspec.json.Encoder().encode
 
 
 def stream_error_body(exc: Exception) -> dict[str, Any]:
