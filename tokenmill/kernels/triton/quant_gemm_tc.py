@@ -18,6 +18,10 @@ written back. The weight is rounded once to x's dtype exactly as `quant_pack.deq
 act-order (`g_idx` None) whose group size is a multiple of BLOCK_K (or -1), on compute capability >= 8.0
 (Triton's tl.dot has no tensor cores on Volta, shared/PLATFORMS.md). float16 outputs saturate at +-65504.
 float32 x multiplies in IEEE float32 (no TF32).
+
+Status: correct (interpreter tests; H200 tests at Llama sizes) but slow: on the H200 it ran at 0.12-0.17x of
+bf16 F.linear per Llama-3.1-8B layer for M = 128..4096 (session 12, `benchmarks/gpu/large_m_paths.py`), so
+`quant_linear.TC_M_MAX` keeps it off. Not yet profiled.
 """
 
 from __future__ import annotations
