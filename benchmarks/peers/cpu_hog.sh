@@ -25,7 +25,8 @@ for mode in alone hog; do
         echo "[cpu_hog] hog pid $HOG on core $LAST"
     fi
     echo "[cpu_hog] $mode: load $(cut -d' ' -f1-3 /proc/loadavg)"
-    "$PY" benchmarks/peers/run_peers.py --peers "$PEERS" -c "$C" --force --results-dir "$OUT/$mode"
+    "$PY" benchmarks/peers/run_peers.py --peers "$PEERS" -c "$C" --force --results-dir "$OUT/$mode" \
+        --doc "$OUT/$mode/peers.md"  # its report and plots stay beside the results, not in docs/
     if [ -n "$HOG" ]; then kill "$HOG"; HOG=""; fi
 done
 OUT="$OUT" PEERS="$PEERS" C="$C" "$PY" - <<'PYEOF'
