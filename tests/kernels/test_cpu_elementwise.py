@@ -203,8 +203,10 @@ def test_write_kv_cache_rejects_bad_slots_and_layouts(lib):
     assert torch.equal(cache, before)  # checked before any row is written
     with pytest.raises(ValueError, match="cache.s dtype"):  # a dtype other than the cache's
         cpu_elementwise.write_kv_cache(lib, key.float(), value.float(), cache, slots)
-    # An fp8 cache, or heads that are not one run, keep the PyTorch path.
+    # An fp8 cache, heads that are not one run, or a cache without its two (K, V) halves keep the PyTorch path.
     assert not cpu_elementwise.kv_write_supports(key.transpose(1, 2).contiguous().transpose(1, 2), value, cache, slots)
+    assert not cpu_elementwise.kv_write_supports(key, value, cache.to(torch.float8_e4m3fn), slots)
+    assert not cpu_elementwise.kv_write_supports(key, value, cache[:1].contiguous(), slots)
 
 
 def test_wrappers_reject_layouts_they_do_not_take(lib):

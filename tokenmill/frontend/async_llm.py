@@ -302,16 +302,18 @@ class AsyncLLM:
     def _flush_outputs(self) -> None:
         """Send one `RequestOutput` per updated request to its stream; stop string-finished requests in the core."""
         touched, to_stop = self._touched, self._to_stop
-        if touched:
-            self._touched = {}
-            for out in self.output_processor.make_outputs(touched):
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-        if to_stop:
-            self._to_stop = []
-            # Stop strings finished these in the front end; free them in the core.
-            self.client.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        try:
+            if touched:
+                self._touched = {}
+                for out in self.output_processor.make_outputs(touched):
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        finally:  # even if building outputs failed: the core must free what stop strings finished
+            if to_stop:
+                self._to_stop = []
+                # Stop strings finished these in the front end; free them in the core.
+                self.client.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
 
     def shutdown(self) -> None:
         """Stop the core process (idempotent)."""

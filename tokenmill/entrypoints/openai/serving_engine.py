@@ -321,8 +321,8 @@ class OpenAIServing:
         """
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-        chunk = SSEChunks(response_id, self.chunk_object, int(time.time()), model)
         try:
+            chunk = SSEChunks(response_id, self.chunk_object, int(time.time()), model)
             async with aclosing(self.stream_choices(req, sub)) as chunks:
                 async for choices in chunks:
                     yield chunk(choices, sub.usage_dict() if continuous else None)

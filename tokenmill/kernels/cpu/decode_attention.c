@@ -198,11 +198,13 @@ static inline __m512 hsum16(const __m512 v[16]) {
 #if defined(__AVX512BF16__)
 /* Pass 3 for a bfloat16 cache with AVX512-BF16: acc[g * HD / 16 + j] = sum_t p[g][t] * v_t[16 j .. 16 j + 16)
  * (float32), two keys per vdpbf16ps. The probabilities are already bfloat16 values (pass 2 rounds them), so
- * each product p * v is exact in float32 as in the FMA loop; only the order of the float32 additions differs
- * (pairs of keys summed before they join the accumulator). Keys t and t + 1 are interleaved 16 bits apart by
+ * each product p * v is exact in float32 as in the FMA loop; the order of the float32 additions differs
+ * (pairs of keys summed before they join the accumulator), and vdpbf16ps treats denormal inputs and results as
+ * zero whatever MXCSR says (probabilities below FLT_MIN add nothing; negligible next to a sum of at least 1). Keys t and t + 1 are interleaved 16 bits apart by
  * unpacklo / unpackhi, which work per 128-bit lane: for a 32-element chunk, the lo vector's slot 4 L + k holds
  * element 8 L + k and the hi vector's slot 4 L + k holds element 8 L + 4 + k (L = lane 0-3, k = 0-3); the sums
- * are put back in element order once per item. An odd last key pairs with itself at probability 0. */
+ * are put back in element order once per item. An odd last key pairs with itself at probability 0 (so an inf
+ * in that V row gives NaN here where the FMA loop gives inf). */
 static inline __attribute__((always_inline)) void pv_bf16_pairs(const Args *a, const int32_t *table, int64_t start,
                                                                  int64_t n, const float *s, int64_t ns, int64_t h,
                                                                  const int64_t G, const int64_t HD, __m512 *acc) {

@@ -4,7 +4,7 @@ instead of 2-10 ops.
 On a CPU each PyTorch op of the reference code (layernorm.py: ~9 ops per
 add + RMSNorm; activation.py: 2) costs a few microseconds of dispatch and
 one more pass over memory; a decode step of a 30-layer model runs ~60 norms,
-30 activations, 30 RoPEs and 30 KV-cache writes (two `index_copy_` calls each, ~50 us apiece
+30 activations, 30 RoPEs and 30 KV-cache writes (two `index_copy_` calls each, ~35 us per layer in all
 at batch 64 on the 2-core dev VM, for a few KiB of rows). These C loops make one pass each, with the
 reference's roundings (see the C file): in bfloat16 the outputs are the reference's bits
 except where RMSNorm's float32 sum of squares, added in another order, moves
@@ -167,8 +167,8 @@ def rotary_neox(lib: ctypes.CDLL, positions: torch.Tensor, query: torch.Tensor, 
 def kv_write_supports(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> bool:
     """True for the layouts `write_kv_cache` takes (see there)."""
-    if kv_cache.device.type != "cpu" or kv_cache.dtype not in DTYPES or kv_cache.dim() != 5:
-        return False
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in DTYPES or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        return False  # [2 (K, V), blocks, block_size, kv heads, head dim]: the C write finds V one stride(0) on
     if not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         return False
     if slot_mapping.device.type != "cpu" or not slot_mapping.is_contiguous():
