@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Smoke test: input 32, output 16, concurrency 1,4; results in results-quick/, "
                         "doc in results-quick/benchmarks.md.")
     p.add_argument("--results-dir", default=None, help="Default benchmarks/peers/results (or results-quick).")
-    p.add_argument("--doc", default=None, help="Markdown file whose peers section is (re)written "
-                                               "(default docs/benchmarks.md; with --quick, in the results dir).")
+    p.add_argument("--doc", default=None, help="Markdown file whose peers section is (re)written (default: "
+                   "docs/benchmarks.md with the default results folder, else benchmarks.md in --results-dir).")
     p.add_argument("--force", action="store_true", help="Re-measure results that exist.")
     p.add_argument("--report-only", action="store_true", help="Only redraw plots and rewrite the doc.")
     p.add_argument("--note", default="", help="A status line printed at the top of the doc section.")
@@ -98,8 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.concurrency = "1,4"
     default_dir = Path(__file__).resolve().parent / ("results-quick" if args.quick else "results")
     args.results_dir = Path(args.results_dir or default_dir).resolve()
-    args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if args.quick
-                                                else ROOT / "docs" / "benchmarks.md")
+    # docs/benchmarks.md's peers section is built from the default results folder: a run with its own
+    # --results-dir (or --quick) writes its report beside its results unless --doc names a file.
+    own_dir = args.quick or args.results_dir != default_dir.resolve()
+    args.doc = Path(args.doc).resolve() if args.doc else (args.results_dir / "benchmarks.md" if own_dir
+                                                          else ROOT / "docs" / "benchmarks.md")
     names = ([n for n, p in ALL_PEERS.items() if not p.opt_in] if args.peers == "all"
              else [n.strip() for n in args.peers.split(",") if n.strip()])
     unknown = [n for n in names if n not in ALL_PEERS]
