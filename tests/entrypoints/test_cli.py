@@ -47,7 +47,9 @@ def test_bad_engine_argument_exits_1_with_the_sentence(capsys):
 
 @pytest.mark.parametrize("flag, value, words", [
     ("--kv-cache-memory-bytes", "12x", "Cannot read '12x' as a size in bytes; use e.g. 4G"),
-    ("--max-model-len", "-5", "cannot read '-5' as a token count; use e.g. 4096, 32k"),
+    ("--max-model-len", "-5", "'-5' is negative; a token count is 0 or more"),
+    ("--max-prefill-tokens-with-decodes", "0.5", "'0.5' is not a whole number of tokens"),
+    ("--max-model-len", "2048.9", "'2048.9' is not a whole number of tokens"),
     ("--max-num-batched-tokens", "lots", "cannot read 'lots' as a token count")])
 def test_unreadable_sizes_exit_2_with_the_sentence(flag, value, words, capsys):
     """argparse keeps only an ArgumentTypeError's message: the sentence, not the type function's name."""
@@ -55,6 +57,11 @@ def test_unreadable_sizes_exit_2_with_the_sentence(flag, value, words, capsys):
         make_parser().parse_args(["serve", flag, value])
     assert exc.value.code == 2
     assert f"argument {flag}: {words}" in capsys.readouterr().err
+
+
+def test_token_counts_with_a_suffix_may_have_decimals():
+    args = make_parser().parse_args(["serve", "--max-num-batched-tokens", "1.5k", "--max-model-len", "32K"])
+    assert (args.max_num_batched_tokens, args.max_model_len) == (1500, 32768)
 
 
 def test_conflicting_model_arguments_exit_2(capsys):

@@ -186,7 +186,15 @@ class EngineArgs:
 
 
 def _int_or_size(value: str) -> int:
-    """A token count, also as `32k` / `128K` (vLLM's human-readable ints); argparse prints the sentence."""
+    """A token count, also as `32k` / `128K` (vLLM's human-readable ints); argparse prints the sentence.
+
+    A plain number must be whole (`1.5` is refused, not truncated; `1.5k` is 1500) and not negative.
+    """
+    text = value.strip()
+    if text.startswith("-"):
+        raise argparse.ArgumentTypeError(f"{value!r} is negative; a token count is 0 or more, e.g. 4096, 32k or 128K.")
+    if text.replace(".", "", 1).isdigit() and "." in text:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of tokens; use e.g. 4096, 32k or 128K.")
     try:
         return parse_size(value)
     except ValueError:
