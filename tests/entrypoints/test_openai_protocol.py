@@ -90,3 +90,12 @@ def test_top_logprobs_without_logprobs_is_refused():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(ValueError, match="top_logprobs"):
         req.to_sampling_params()
+
+
+@pytest.mark.parametrize("cls, base", [(CompletionRequest, {"prompt": "hi"}),
+                                       (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})])
+def test_stream_options_without_stream_are_refused(cls, base):
+    with pytest.raises(ValidationError, match="stream_options can only be set when stream is true") as exc:
+        cls(**base, stream_options={"include_usage": True})
+    assert exc.value.errors()[0]["loc"] == ("stream_options",)
+    assert cls(**base, stream=True, stream_options={"include_usage": True}).stream_options.include_usage

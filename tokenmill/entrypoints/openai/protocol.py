@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_serializer, model_validator
 
 from tokenmill.entrypoints.openai.request_fields import check_undeclared_fields
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -110,6 +110,13 @@ class _SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true (as vLLM and OpenAI).")
+        return v
     presence_penalty: float | None = _finite(0.0)
     frequency_penalty: float | None = _finite(0.0)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
