@@ -40,9 +40,9 @@ from tokenmill.kernels.triton.fp8_quant import quantize_fp8_triton
 from tokenmill.kernels.triton.quant_gemm_tc import quant_gemm_tc
 from tokenmill.kernels.triton.quant_linear import dequantize_weight, quant_linear
 
-from quant_gemm import L2_BYTES, graph_time_ms, random_w4  # noqa: E402
+from quant_gemm import L2_BYTES, LLAMA_8B_SHAPES, graph_time_ms, random_w4  # noqa: E402
 
-LAYERS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+LAYERS = [(name, n, k) for name, (n, k) in LLAMA_8B_SHAPES.items()]  # Llama-3.1-8B's four linears
 COLS = ["bf16", "smm", "smm_fast", "fp8_tri", "q4", "q4_tiled", "q4_deq", "q4_tc", "tc_64x256"]
 
 

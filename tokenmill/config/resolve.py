@@ -372,12 +372,17 @@ def _resolve_cache_config(args: EngineArgs, platform: Platform, hf_config: Any =
     )
 
 
+def _large_device_memory(platform: Platform) -> bool:
+    """The device has >= 70 GiB (vLLM's line between its two GPU default sets)."""
+    return (platform.total_memory_bytes() or 0) >= _LARGE_GPU_BYTES
+
+
 def default_scheduler_limits(platform: Platform, usage: str) -> tuple[int, int]:
     """vLLM's (max_num_batched_tokens, max_num_seqs) defaults for this device and usage."""
     server = usage == "server"
     if platform.device_type == "cpu":
         return (2048, 128) if server else (4096, 256)
-    if (platform.total_memory_bytes() or 0) >= _LARGE_GPU_BYTES:
+    if _large_device_memory(platform):
         return (8192, 1024) if server else (16384, 1024)
     return (2048, 256) if server else (8192, 256)
 
@@ -401,8 +406,7 @@ def default_prefill_tokens_with_decodes(platform: Platform, usage: str) -> int:
     do CPUs and smaller GPUs (whose server budget, 2048, is no larger than
     the cap would be).
     """
-    large_gpu = platform.device_type == "cuda" and (platform.total_memory_bytes() or 0) >= _LARGE_GPU_BYTES
-    return 2048 if usage == "server" and large_gpu else 0
+    return 2048 if usage == "server" and platform.device_type == "cuda" and _large_device_memory(platform) else 0
 
 
 def _resolve_scheduler_config(args: EngineArgs, platform: Platform, usage: str, max_model_len: int) -> SchedulerConfig:

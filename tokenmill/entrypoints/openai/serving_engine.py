@@ -22,7 +22,7 @@ import msgspec
 from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
-from tokenmill.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo, random_id
+from tokenmill.entrypoints.openai.protocol import UsageInfo, random_id
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -128,9 +128,7 @@ class Submission:
 
     def usage(self) -> UsageInfo:
         """The `usage` object of a response or of the last stream chunk: token counts so far."""
-        p, c = self.num_prompt_tokens(), self.num_completion_tokens()
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=self.num_cached_tokens()))
+        return UsageInfo.model_validate(self.usage_dict())
 
 
 # Sequences (prompts x n) one HTTP request may start: a bound on what one

@@ -629,11 +629,9 @@ def quant_linear(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = N
         plan = plan_quant_linear(m, n, w, capability or cap, sms, small_m_max, large_m_min, split_k, gemv_m_max)
     else:
         plan = finish_plan(plan, m, n, w.in_features, sms, split_k)
-    if plan.path == "cublas":
-        y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
-    elif plan.path == "tc" and x.dtype != torch.float32:  # float32 x (IEEE dots) keeps dequantize + cuBLAS
+    if plan.path == "tc" and x.dtype != torch.float32:  # float32 x (IEEE dots) keeps dequantize + cuBLAS
         y = quant_gemm_tc(x, w, bias.to(x.dtype) if bias is not None else None)
-    elif plan.path == "tc":
+    elif plan.path in ("cublas", "tc"):
         y = _cublas_linear(x, dequantize_weight(w, x.dtype), bias.to(x.dtype) if bias is not None else None)
     else:
         y = _launch_matmul(x, w, bias, plan)
