@@ -61,3 +61,24 @@ def test_chat_stream_coalesced_keeps_content_and_finish(call, fake_engine):
         assert deltas[-1]["finish_reason"] == "length"
         assert chunks[-1]["usage"]["completion_tokens"] == 5
 
+
+def _events(raw: bytes) -> list[dict]:
+    return [json.loads(e.split("data: ", 1)[1]) for e in raw.decode().split("\n\n") if "data: " in e]
+
+
+def test_responses_stream_coalesced_keeps_the_text(call, fake_engine):
+    body = {"input": "hi", "max_output_tokens": 6, "stream": True}
+    runs = {}
+    for group in (1, 4):
+        fake_engine.ready_group = group
+        status, raw = call("POST", "/v1/responses", dict(body))
+        assert status == 200
+        runs[group] = _events(raw)
+    for events in runs.values():
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(deltas) == fake_completion_text(6)
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == fake_completion_text(6)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    count = [sum(e["type"] == "response.output_text.delta" for e in runs[g]) for g in (1, 4)]
+    assert count[1] < count[0]
