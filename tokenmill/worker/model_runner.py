@@ -229,7 +229,8 @@ class ModelRunner:
     def graph_max_seq_len(self) -> int:
         """The longest sequence a step (decode or mixed) may have to replay a CUDA graph (vLLM's
         max_seq_len_to_capture)."""
-        return min(self.max_model_len, self.config.device_config.max_seq_len_to_capture)
+        cap = self.config.device_config.max_seq_len_to_capture
+        return self.max_model_len if cap is None else min(self.max_model_len, cap)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need CUDA, the TRITON_ATTN backend, one pipeline stage and no --enforce-eager."""
