@@ -26,6 +26,8 @@ bf16 F.linear per Llama-3.1-8B layer for M = 128..4096 (session 12, `benchmarks/
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,12 +35,27 @@ import triton.language as tl
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
 from tokenmill.kernels.triton.splitk import grouped_tile
 
-# Tiles by M (largest M, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_K is lowered to divide the group size.
-# The unpacked [BLOCK_N, BLOCK_K] weight tile lives in registers beside the accumulator, so the K tile is 32:
-# `ptxas -v` for sm_90a (bfloat16, 4-bit with zeros) gives 168 registers at 64 x 128 x 32 (4 warps) and 221 at
-# 128 x 128 x 32 (8 warps), no spills, while 64-deep K tiles spilled at 128 x 128 (8 warps, 176-232 bytes) and
-# 64 x 128 (8 warps). benchmarks/gpu/large_m_paths.py times them on Llama-3.1-8B's shapes.
-TC_TILES = ((128, 64, 128, 32, 4, 4), (1 << 62, 128, 128, 32, 8, 4))
+class TcTiles(NamedTuple):
+    """One launch configuration of `quant_gemm_tc_kernel`: output tile BLOCK_M x BLOCK_N, K tile BLOCK_K
+    (columns; must divide the group size), warps, pipeline stages, and how the packed words reach the
+    [BLOCK_N, BLOCK_K] tile: "gather" (16-byte loads of the packed words, tl.gather of word k // p per column)
+    or "index" (each column loads its own word k // p; repeated addresses, p-fold the load instructions)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    unpack: str = "gather"
+
+
+# The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. Not yet timed on
+# the new formulation: `benchmarks/gpu/large_m_paths.py --tc-tiles ...` times candidates; edit here after.
+TC_TILES: tuple[tuple[int, TcTiles], ...] = (
+    (128, TcTiles(64, 128, 64, 4, 4)),
+    (1 << 62, TcTiles(128, 128, 64, 8, 4)),
+)
+UNPACK_MODES = ("gather", "index")
 GROUP_M = 8
 
 
@@ -49,13 +66,14 @@ def tc_supported(w: QuantTensors, capability: tuple[int, int]) -> bool:
     return tuple(capability) >= (8, 0) and w.g_idx is None and (g == -1 or (g >= 16 and g % 16 == 0))
 
 
-def tc_tiles(m: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M rows and the weight's group size (TC_TILES)."""
-    _, bm, bn, bk, warps, stages = next(t for t in TC_TILES if m <= t[0])
+def tc_tiles(m: int, group_size: int) -> TcTiles:
+    """The TC_TILES entry for M rows, its BLOCK_K halved until it divides the weight's group size."""
+    t = next(t for top, t in TC_TILES if m <= top)
+    bk = t.block_k
     if group_size != -1:
         while group_size % bk:
             bk //= 2
-    return bm, bn, bk, warps, stages
+    return t._replace(block_k=bk)
 
 
 @triton.jit
@@ -65,7 +83,7 @@ def quant_gemm_tc_kernel(
     stride_xm, stride_xk, stride_qn, stride_qw, stride_sn, stride_sg, stride_zn, stride_zg, stride_om, stride_on,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP_FP16: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, GATHER: tl.constexpr,
 ):
     P: tl.constexpr = 32 // BITS
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -73,30 +91,41 @@ def quant_gemm_tc_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    # x^T tile [BLOCK_K, BLOCK_M] (the dot's shared-memory operand) and the weight's [BLOCK_N, BLOCK_K] words.
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
+    row_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     offs_w = tl.arange(0, BLOCK_K // P)
-    shifts = tl.arange(0, P) * BITS
+    word_of_k = tl.broadcast_to((offs_k // P)[None, :], (BLOCK_N, BLOCK_K))
+    shift = (offs_k[None, :] % P) * BITS
     num_words = tl.cdiv(K, P)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_ptrs = s_ptr + offs_n * stride_sn
+    z_ptrs = z_ptr + offs_n * stride_zn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        wi = k0 // P + offs_w
-        words = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + wi[None, :] * stride_qw,
-                        mask=n_mask[:, None] & (wi < num_words)[None, :], other=0)
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[None, :] & ((k0 + offs_k) < K)[:, None], other=0.0)
+        if GATHER:
+            wi = k0 // P + offs_w
+            packed = tl.load(row_ptrs + wi[None, :] * stride_qw, mask=n_mask[:, None] & (wi < num_words)[None, :],
+                             other=0)
+            words = tl.gather(packed, word_of_k, axis=1)
+        else:
+            wk = k0 // P + word_of_k
+            words = tl.load(row_ptrs + wk * stride_qw, mask=n_mask[:, None] & (wk < num_words), other=0)
         g = k0 // group_size
-        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptrs + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n * stride_zn + g * stride_zg, mask=n_mask, other=0).to(tl.float32)
+            z = tl.load(z_ptrs + g * stride_zg, mask=n_mask, other=0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-        w = ((q - z[:, None]) * s[:, None]).to(x.dtype)
+        # 2^23 + q as float32 bits (exact), minus 2^23 + z: q - z exactly, without an int -> float conversion.
+        q = (((words >> shift) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+        w = ((q - (z + 8388608.0)[:, None]) * s[:, None]).to(x.dtype)
         if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(w, x, acc)
+    acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if CLAMP_FP16:
@@ -106,7 +135,7 @@ def quant_gemm_tc_kernel(
 
 
 def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  tiles: TcTiles | tuple | None = None) -> torch.Tensor:
     """y [M, N] = x @ dequantize(w)^T (+ bias) with the unpacking tensor-core GEMM (module docstring).
 
     Args:
@@ -114,14 +143,15 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
         w: 4- or 8-bit weight in the `quant_pack` layout, no expert dim, no act-order, group size -1 or a
             multiple of 16 (`tc_supported`).
         bias: [N] or None.
-        tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of `tc_tiles` (tests, sweeps); BLOCK_K
-            must divide the group size (any K tile takes group -1: one group, k0 // K = 0).
+        tiles: `TcTiles` (or a tuple of its fields; unpack defaults to "gather") instead of `tc_tiles` (tests,
+            sweeps); BLOCK_K must divide the group size (any K tile takes group -1: one group, k0 // K = 0).
 
     Returns:
         [M, N] in x's dtype; every element written.
 
     Raises:
-        ValueError: x is not [M, K], the weight has act-order or a group size the K tiles cannot follow.
+        ValueError: x is not [M, K], the weight has act-order or a group size the K tiles cannot follow, or
+            the unpack mode is unknown.
     """
     k = w.in_features
     n = w.qweight.shape[0]
@@ -130,7 +160,9 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
     if w.g_idx is not None:
         raise ValueError("quant_gemm_tc does not take act-order weights (g_idx); quant_linear plans another path.")
     group = k if w.group_size == -1 else w.group_size
-    bm, bn, bk, warps, stages = tiles or tc_tiles(x.shape[0], w.group_size)
+    bm, bn, bk, warps, stages, unpack = TcTiles(*tiles) if tiles is not None else tc_tiles(x.shape[0], w.group_size)
+    if unpack not in UNPACK_MODES:
+        raise ValueError(f"unpack must be one of {UNPACK_MODES}, not {unpack!r}.")
     if (w.group_size != -1 and group % bk) or bk % pack_factor(w.bits) or bk < 16:
         raise ValueError(f"BLOCK_K {bk} must be >= 16, a multiple of {pack_factor(w.bits)} and divide the group "
                          f"size {group}.")
@@ -147,6 +179,6 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
         BITS=w.bits, HAS_ZEROS=z is not None, HAS_BIAS=bias is not None, CLAMP_FP16=x.dtype == torch.float16,
         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, NUM_STAGES=stages,
-        num_warps=warps,
+        GATHER=unpack == "gather", num_warps=warps,
     )
     return out
