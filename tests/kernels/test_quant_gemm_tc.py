@@ -9,6 +9,9 @@ marker via `pytest.mark.gpu`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from quant_helpers import dense, random_quant
@@ -106,7 +109,28 @@ def test_quant_linear_plans_it_between_large_m_min_and_tc_m_max(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [64, 300, 1024])
-def test_gpu_real_sizes(n, k, m):
+@pytest.mark.parametrize("unpack", ["gather", "index"])
+def test_gpu_real_sizes(n, k, m, unpack):
     w = random_quant(n, k, 4, 128, True, False, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    _check(quant_gemm_tc(x, w), x, w)
+    _check(quant_gemm_tc(x, w, tiles=tc_tiles(m, 128)._replace(unpack=unpack)), x, w)
+
+
+def test_large_m_paths_dry_run(tmp_path, monkeypatch, capsys):
+    """benchmarks/gpu/large_m_paths.py's CPU dry run: tile specs parse, every tc tile runs and matches q4_deq,
+    the per-M winner table and the JSON are written (the times mean nothing under the interpreter)."""
+    if CUDA:
+        pytest.skip("the dry run is the CPU (interpreter) mode; on a GPU run the benchmark itself")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+    import large_m_paths
+
+    assert large_m_paths.parse_tile("256x128x64w8s3i") == TcTiles(256, 128, 64, 8, 3, "index")
+    assert all(large_m_paths.tile_spec(large_m_paths.parse_tile(s)) == s for s in large_m_paths.TC_CANDIDATES)
+    out = tmp_path / "r.json"
+    assert large_m_paths.main(["--dry-run", "--m", "5", "--tc-tiles", "16x32x32w4s1g", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["mismatched"] == []
+    assert [(r["m"], r["best_tc"]) for r in result["per_m"]] == [(5, "16x32x32w4s1g")]
+    assert "TcTiles(16, 32, 32, 4, 1, 'gather')" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        large_m_paths.main(["--dry-run", "--tc-tiles", "128x128x64"])  # no warps / stages / unpack
