@@ -75,7 +75,8 @@ def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], con
     strides): without that the K loop's addressing, and with it registers and spills, differ from the launch's.
 
     Returns: dict(kernel=name, cc, ptx_target (the PTX .target list), cubin_bytes, shared (bytes per block),
-    registers (per thread), spill_bytes), plus ptx_has_marker (bool) when `ptx_marker` is given.
+    registers (per thread), spill_bytes, wgmma_serialized (ptxas C7515: it waits for each wgmma before the
+    next)), plus ptx_has_marker (bool) when `ptx_marker` is given.
     """
     import re
     import tempfile
@@ -99,7 +100,8 @@ def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], con
                              capture_output=True, text=True, check=True).stderr
     out = dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
                registers=int(re.search(r"Used (\d+) registers", log).group(1)),
-               spill_bytes=sum(int(b) for b in re.findall(r"(\d+) bytes spill", log)))
+               spill_bytes=sum(int(b) for b in re.findall(r"(\d+) bytes spill", log)),
+               wgmma_serialized="C7515" in log)
     if ptx_marker is not None:
         out["ptx_has_marker"] = ptx_marker in ptx
     return out

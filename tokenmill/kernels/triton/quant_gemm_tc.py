@@ -3,25 +3,51 @@
 For the rows where `quant_linear`'s other paths lose to bf16 (its module docstring): at M of a few hundred
 rows its dequantize + cuBLAS path writes and re-reads the whole weight in x's dtype on every call (on the H200
 a Llama-3.1-8B layer took 484 us at M = 512 against bf16's 301; `benchmarks/gpu/large_m_paths.py`), and its
-tiled kernel, built for few rows ("swap AB", K = 16 dots per packed position), was 5x slower than bf16 there.
-This kernel is the textbook output-tiled GEMM instead (one program per [BLOCK_M, BLOCK_N] tile of y, grouped
-tile order for L2 reuse, software-pipelined K loop) whose weight operand is unpacked in registers:
+tiled kernel, built for few rows, was 5x slower than bf16 there. This kernel is an output-tiled GEMM (one
+program per [BLOCK_M, BLOCK_N] tile of y, grouped tile order for L2 reuse, software-pipelined K loop) that
+computes the transposed tile, y^T = W x^T, so that the unpacked weight is the dot's first operand, which
+Hopper's wgmma reads from registers (x^T comes from shared memory, as in a bf16 GEMM):
 
-    words [BLOCK_N, BLOCK_K / p] int32 (p = 32 // bits values per word, low bits first, `quant_pack` layout)
-    q     = (words[:, :, None] >> (bits * j)) & (2^bits - 1)      j = 0..p-1, reshaped to [BLOCK_N, BLOCK_K]
+    word  [BLOCK_N, BLOCK_K] int32 = qweight[n, k // p]           p = 32 // bits values per word (`quant_pack`)
+    q     = (word >> (bits * (k % p))) & (2^bits - 1)
     W     = round_x((q - z[n, g]) * s[n, g])                      g = k0 // group_size, float32 math
-    acc  += x_tile [BLOCK_M, BLOCK_K] @ W^T                        tl.dot, float32 accumulator
+    acc  += W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]          tl.dot, float32 accumulator [BLOCK_N, BLOCK_M]
 
-so the weight is read once per row tile of M (packed, a quarter of bf16's bytes for 4-bit) and never
-written back. The weight is rounded once to x's dtype exactly as `quant_pack.dequantize(..., dtype=x.dtype)`
-(so the result equals F.linear with the dequantized weight up to summation order). Takes weights without
-act-order (`g_idx` None) whose group size is a multiple of BLOCK_K (or -1), on compute capability >= 8.0
-(Triton's tl.dot has no tensor cores on Volta, shared/PLATFORMS.md). float16 outputs saturate at +-65504.
-float32 x multiplies in IEEE float32 (no TF32).
+Each column k of the tile indexes its own word, so no reshape of a [.., p] tensor is needed; the words reach
+the tile either by loading word k // p per column ("index": p-fold repeated addresses, served by shared memory
+through the cp.async pipeline) or by loading the packed [BLOCK_N, BLOCK_K / p] words and `tl.gather`-ing
+word k // p ("gather": 16-byte loads, warp shuffles). q - z is formed exactly without an int -> float
+conversion (the float32 bits 0x4B000000 | q are 2^23 + q; minus 2^23 + z). The weight is read once per row
+tile of M, packed, and never written back; it is rounded once to x's dtype exactly as
+`quant_pack.dequantize(..., dtype=x.dtype)`, so the result equals F.linear with the dequantized weight up to
+summation order. Takes weights without act-order (`g_idx` None) whose group size is a multiple of BLOCK_K
+(or -1), on compute capability >= 8.0 (Triton's tl.dot has no tensor cores on Volta, shared/PLATFORMS.md).
+float16 outputs saturate at +-65504. float32 x multiplies in IEEE float32 (no TF32).
 
-Status: correct (interpreter tests; H200 tests at Llama sizes) but slow: on the H200 it ran at 0.12-0.17x of
-bf16 F.linear per Llama-3.1-8B layer for M = 128..4096 (session 12, `benchmarks/gpu/large_m_paths.py`), so
-`quant_linear.TC_M_MAX` keeps it off. Not yet profiled.
+What the sm_90a compile shows (Triton 3.6, ptxas 12.8, bfloat16, 4-bit with zeros, unit strides specialized
+as at launch; `ptxas -v`, TTGIR and SASS, no GPU):
+  - the previous version (x @ W^T, W unpacked by reshape, 128 x 128 x 32, 8 warps): wgmma (HGMMA) with both
+    operands in shared memory; the unpacked tile is stored there (local_alloc) every K step and the dot is
+    followed by warp_group_dot_wait {pendings = 0}, so its tensor cores and its unpacking never overlap;
+    210 registers leave one CTA per SM, so nothing else overlaps either; an I2F per weight element.
+    64-deep K tiles spilled (168 bytes at 128 x 128). The reshape added no convert_layout at 128 x 128.
+  - the formulation with per-column word indices but W as the second operand ([BLOCK_K, BLOCK_N]): the
+    pipeliner stages the int32 word tile in shared memory (4x bf16's bytes) and it spilled 500-1800 bytes.
+  - W as the register operand (this version): wgmma reads W from registers. Triton splits each dot into
+    K = 16 wgmmas; for most tiles ptxas then reports C7515 ("wgmma.mma_async instructions are serialized")
+    and waits for each wgmma to finish (WARPGROUP.DEPBAR 0) before the next, so only other CTAs on the SM
+    overlap the unpacking. The "index" tiles with BLOCK_K = 32 and BLOCK_N = 128 (4 or 8 warps) compile
+    without C7515 and keep one wgmma in flight across the K loop (DEPBAR 1), at 76 (64 x 128, 8 warps) to
+    202 registers (128 x 128, 4 warps). "gather" tiles got C7515 whenever a K step holds more than one wgmma
+    (and their shuffled tile is staged through shared memory into the dot's register layout); at BLOCK_K = 16
+    the one wgmma is waited for at once. A bf16 Triton GEMM at 128 x 128 x 64: 108 registers, four
+    back-to-back HGMMAs per K step, one group in flight.
+  - `tests/kernels/test_quant_compile_sm70.py` checks the planned tiles for spills and for C7515.
+
+Status: H200 timings of this version are pending; TC_TILES is the best guess from the compile (above), and
+`quant_linear.TC_M_MAX` keeps the kernel off until `benchmarks/gpu/large_m_paths.py` (which times any tiles
+given as --tc-tiles against bf16 and dequantize + cuBLAS, and suggests a TC_TILES table) shows it ahead of
+dequantize + cuBLAS. The previous version ran at 0.12-0.17x of bf16 per Llama-3.1-8B layer for M = 128..4096.
 """
 
 from __future__ import annotations
@@ -35,25 +61,27 @@ import triton.language as tl
 from tokenmill.kernels.quant_pack import QuantTensors, pack_factor
 from tokenmill.kernels.triton.splitk import grouped_tile
 
+
 class TcTiles(NamedTuple):
     """One launch configuration of `quant_gemm_tc_kernel`: output tile BLOCK_M x BLOCK_N, K tile BLOCK_K
     (columns; must divide the group size), warps, pipeline stages, and how the packed words reach the
-    [BLOCK_N, BLOCK_K] tile: "gather" (16-byte loads of the packed words, tl.gather of word k // p per column)
-    or "index" (each column loads its own word k // p; repeated addresses, p-fold the load instructions)."""
+    [BLOCK_N, BLOCK_K] tile: "index" (each column loads its own word k // p) or "gather" (16-byte loads of the
+    packed words, tl.gather of word k // p per column); module docstring."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
-    unpack: str = "gather"
+    unpack: str = "index"
 
 
-# The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. Not yet timed on
-# the new formulation: `benchmarks/gpu/large_m_paths.py --tc-tiles ...` times candidates; edit here after.
+# The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. Chosen from the
+# sm_90a compile (module docstring: no C7515, one wgmma in flight; 76 / 124 registers, 2-3 CTAs per SM), not
+# yet timed: `benchmarks/gpu/large_m_paths.py` times candidates and prints a replacement for this table.
 TC_TILES: tuple[tuple[int, TcTiles], ...] = (
-    (128, TcTiles(64, 128, 64, 4, 4)),
-    (1 << 62, TcTiles(128, 128, 64, 8, 4)),
+    (128, TcTiles(64, 128, 32, 8, 3, "index")),
+    (1 << 62, TcTiles(128, 128, 32, 8, 3, "index")),
 )
 UNPACK_MODES = ("gather", "index")
 GROUP_M = 8
@@ -143,7 +171,7 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
         w: 4- or 8-bit weight in the `quant_pack` layout, no expert dim, no act-order, group size -1 or a
             multiple of 16 (`tc_supported`).
         bias: [N] or None.
-        tiles: `TcTiles` (or a tuple of its fields; unpack defaults to "gather") instead of `tc_tiles` (tests,
+        tiles: `TcTiles` (or a tuple of its fields; unpack defaults to "index") instead of `tc_tiles` (tests,
             sweeps); BLOCK_K must divide the group size (any K tile takes group -1: one group, k0 // K = 0).
 
     Returns:
