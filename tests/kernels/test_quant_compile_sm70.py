@@ -104,7 +104,8 @@ SCRIPT = textwrap.dedent(
                                    dict(BITS=bits, HAS_ZEROS=True, HAS_BIAS=False, CLAMP_FP16=clamp, IEEE=False,
                                         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
                                         NUM_STAGES=t.stages, GATHER=t.unpack == "gather"), t.warps, t.stages,
-                                   aligned=("x_ptr", "qw_ptr", "out_ptr", "stride_xm", "stride_qn", "stride_om", "K", "N"),
+                                   aligned=("x_ptr", "qw_ptr", "out_ptr", "stride_xm", "stride_qn", "stride_om", "K",
+                                            "N"),
                                    unit=("stride_xk", "stride_qw", "stride_sg", "stride_zg", "stride_on")))
     print(json.dumps(results))
     """
