@@ -33,16 +33,20 @@ as at launch; `ptxas -v`, TTGIR and SASS, no GPU):
     64-deep K tiles spilled (168 bytes at 128 x 128). The reshape added no convert_layout at 128 x 128.
   - the formulation with per-column word indices but W as the second operand ([BLOCK_K, BLOCK_N]): the
     pipeliner stages the int32 word tile in shared memory (4x bf16's bytes) and it spilled 500-1800 bytes.
-  - W as the register operand (this version): wgmma reads W from registers. Triton splits each dot into
-    K = 16 wgmmas; for most tiles ptxas then reports C7515 ("wgmma.mma_async instructions are serialized")
-    and waits for each wgmma to finish (WARPGROUP.DEPBAR 0) before the next, so only other CTAs on the SM
-    overlap the unpacking. The "index" tiles with BLOCK_K = 32 and BLOCK_N = 128 (4 or 8 warps) compile
-    without C7515 and keep one wgmma in flight across the K loop (DEPBAR 1), at 76 (64 x 128, 8 warps) to
-    202 registers (128 x 128, 4 warps). "gather" tiles got C7515 whenever a K step holds more than one wgmma
-    (and their shuffled tile is staged through shared memory into the dot's register layout); at BLOCK_K = 16
-    the one wgmma is waited for at once. A bf16 Triton GEMM at 128 x 128 x 64: 108 registers, four
-    back-to-back HGMMAs per K step, one group in flight.
-  - `tests/kernels/test_quant_compile_sm70.py` checks the planned tiles for spills and for C7515.
+  - W as the register operand (this version): wgmma reads W from registers (converted into the dot's
+    register layout through shared memory: STSM / LDSM). Triton splits each dot into K = 16 wgmmas; for
+    most tiles ptxas then reports C7515 ("wgmma.mma_async instructions are serialized") and waits for each
+    wgmma to finish (WARPGROUP.DEPBAR 0) before the next, so only other CTAs on the SM overlap the
+    unpacking. "gather" reads its packed words conflict-free but got C7515 whenever a K step holds more
+    than one wgmma. "index" loaded as [BLOCK_N, BLOCK_K] left the word tile N-major in shared memory with
+    each warp reading 32 rows of one column (32-way bank conflicts, 16 LDS per thread per 32-deep step);
+    loaded as [BLOCK_K, BLOCK_N] and transposed (as now) the 32- and 64-deep tiles that read it conflict-free
+    (sizePerThread 8 along K) all got C7515 (e.g. 128 x 128 x 32, 8 warps: 127 registers, 2 CTAs per SM), and the tiles
+    without C7515 (one wgmma kept in flight, DEPBAR 1: 64 x 128 x 32 with 8 warps, 128 x 64 x 32 with 4)
+    got Triton's other layout, bank-conflicted, at 214-249 registers. BLOCK_K = 16 has one wgmma per step,
+    waited for at once. A bf16 Triton GEMM at 128 x 128 x 64: 108 registers, four back-to-back HGMMAs per
+    K step, one group in flight.
+  - `tests/kernels/test_quant_compile_sm70.py` checks the planned tiles for spills (and reports C7515).
 
 Status: H200 timings of this version are pending; TC_TILES is the best guess from the compile (above), and
 `quant_linear.TC_M_MAX` keeps the kernel off until `benchmarks/gpu/large_m_paths.py` (which times any tiles
@@ -76,11 +80,11 @@ class TcTiles(NamedTuple):
     unpack: str = "index"
 
 
-# The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. Chosen from the
-# sm_90a compile (module docstring: no C7515, one wgmma in flight; 76 / 124 registers, 2-3 CTAs per SM), not
-# yet timed: `benchmarks/gpu/large_m_paths.py` times candidates and prints a replacement for this table.
+# The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. A guess from the
+# sm_90a compile (module docstring: conflict-free word reads; C7515, so overlap comes from 5 / 2 CTAs per SM),
+# not yet timed: `benchmarks/gpu/large_m_paths.py` times candidates and prints a replacement for this table.
 TC_TILES: tuple[tuple[int, TcTiles], ...] = (
-    (128, TcTiles(64, 128, 32, 8, 3, "index")),
+    (128, TcTiles(64, 64, 32, 4, 4, "index")),
     (1 << 62, TcTiles(128, 128, 32, 8, 3, "index")),
 )
 UNPACK_MODES = ("gather", "index")
@@ -122,7 +126,8 @@ def quant_gemm_tc_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # x^T tile [BLOCK_K, BLOCK_M] (the dot's shared-memory operand) and the weight's [BLOCK_N, BLOCK_K] words.
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
-    row_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    row_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn  # [BLOCK_N, 1]
+    col_ptrs = qw_ptr + offs_n[None, :].to(tl.int64) * stride_qn  # [1, BLOCK_N]
     offs_w = tl.arange(0, BLOCK_K // P)
     word_of_k = tl.broadcast_to((offs_k // P)[None, :], (BLOCK_N, BLOCK_K))
     shift = (offs_k[None, :] % P) * BITS
@@ -138,8 +143,11 @@ def quant_gemm_tc_kernel(
                              other=0)
             words = tl.gather(packed, word_of_k, axis=1)
         else:
-            wk = k0 // P + word_of_k
-            words = tl.load(row_ptrs + wk * stride_qw, mask=n_mask[:, None] & (wk < num_words), other=0)
+            # Loaded as [BLOCK_K, BLOCK_N] and transposed: for most tiles Triton then stages the words K-major in
+            # shared memory and reads them back without bank conflicts (as [BLOCK_N, BLOCK_K], each warp read
+            # 32 rows of one column: 32-way conflicts; module docstring).
+            wk = k0 // P + (offs_k // P)[:, None]
+            words = tl.trans(tl.load(col_ptrs + wk * stride_qw, mask=n_mask[None, :] & (wk < num_words), other=0))
         g = k0 // group_size
         s = tl.load(s_ptrs + g * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
