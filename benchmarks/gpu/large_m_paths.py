@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name} = {tile_spec(t)}  {t}")
     print(f"{'M':>5} {'layer':>8} " + " ".join(f"{c:>9}" for c in cols))
     totals: dict[tuple[int, str], float] = {}
+    counts: dict[tuple[int, str], int] = {}
     bad: set[tuple[int, str]] = set()
     per_layer = []
     for name, n, k in layers:
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {c} at M={m} {name}: {type(e).__name__}: {str(e)[:160]}")
             for c, t in times.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + t
+                counts[(m, c)] = counts.get((m, c), 0) + 1
             print(f"{m:>5} {name:>8} " + " ".join(
                 (f"{times[c]:8.1f}" + ("!" if (m, c) in bad else " ")) if c in times else f"{'-':>9}" for c in cols),
                 flush=True)
@@ -246,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         del w16, w8, w4, fmt
         if not args.dry_run:
             torch.cuda.empty_cache()
+    # A path that failed on some layer has no per-layer total (a partial sum would look fast).
+    totals = {key: t for key, t in totals.items() if counts[key] == len(layers)}
     rows = summarize(args, tc_names, totals, bad)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(dict(per_layer=per_layer, per_m=rows,
