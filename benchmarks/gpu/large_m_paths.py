@@ -22,7 +22,8 @@ calls, each on its own weight copy so weights come from HBM: `quant_gemm.graph_t
   q4_deq      dequantize once + cuBLAS alone (the planned large-M path, for reference)
 
 then one column per --tc-tiles entry t0, t1, ... (legend printed first): `quant_gemm_tc` with that tile,
-written BMxBNxBK w<warps> s<stages> and g (unpack "gather") or i ("index"), e.g. 128x128x64w8s4g. Each tc
+written BMxBNxBK w<warps> s<stages>, g (unpack "gather") or i ("index"), and s for the weight tile in shared
+memory (operand "shared"; without it "register"), e.g. 128x128x64w8s4g, 128x128x32w8s4gs. Each tc
 output is checked once against q4_deq's (a "!" after the time marks a relative error above 2e-2; "-" a
 configuration that failed to launch, e.g. too much shared memory). Then per decoder layer (the four linears
 summed) the ratio of each path to bf16, the fastest tc tile per M and whether it beats q4_deq, and a
@@ -65,31 +66,35 @@ LAYERS = [(name, n, k) for name, (n, k) in LLAMA_8B_SHAPES.items()]  # Llama-3.1
 BASE_COLS = ["bf16", "smm", "smm_fast", "fp8_tri", "q4", "q4_tiled", "q4_deq"]
 W8A8_COLS = {"smm", "smm_fast", "fp8_tri"}
 # The tensor-core GEMM's candidate tiles, all without spills on sm_90a (quant_gemm_tc.py's docstring has what
-# the compile showed for them: ptxas C7515 (wgmmas serialized; overlap from other CTAs) or bank-conflicted word
-# reads (64x128x32w8s3i, 128x64x32w4s4i, kept to see which costs more)).
-TC_CANDIDATES = ["64x64x32w4s4i", "128x128x16w8s4i", "128x128x32w8s3i", "128x128x32w8s4i", "128x128x32w4s3i",
-                 "128x128x64w8s2i", "64x128x32w8s3i", "128x64x32w4s4i", "128x128x32w8s4g", "128x64x32w4s4g",
-                 "64x128x64w4s4g", "128x128x64w8s4g", "256x128x64w8s3g"]
-TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([gi])")
+# the compile showed for them: with W in registers, ptxas C7515 (wgmmas serialized; overlap only from other
+# CTAs) or bank-conflicted word reads (64x128x32w8s3i, 128x64x32w4s4i); with W in shared memory ("...s"),
+# back-to-back wgmmas then a full wait each K step).
+TC_CANDIDATES = ["64x64x32w4s4i", "128x128x16w8s4i", "128x128x32w8s3i", "128x128x32w4s3i", "64x128x32w8s3i",
+                 "128x64x32w4s4i", "128x128x32w8s4g", "64x128x64w4s4g", "256x128x64w8s3g", "128x128x32w8s4gs",
+                 "64x128x64w4s4gs", "128x64x64w4s4gs", "128x128x64w8s4gs", "256x128x64w8s3gs"]
+TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([gi])(s?)")
 
 
 def parse_tile(spec: str) -> TcTiles:
-    """'128x128x64w8s4g' -> TcTiles(128, 128, 64, 8, 4, "gather"); the last letter g (gather) or i (index).
+    """'128x128x64w8s4g' -> TcTiles(128, 128, 64, 8, 4, "gather"): after the stages g (gather) or i (index),
+    then s for operand "shared" (the weight tile in shared memory) or nothing for "register".
 
     Raises:
         argparse.ArgumentTypeError: the spec does not have that form.
     """
     mt = TILE_SPEC.fullmatch(spec)
     if not mt:
-        raise argparse.ArgumentTypeError(f"tile {spec!r} is not BMxBNxBK w<warps> s<stages> g|i, "
-                                         "e.g. 128x128x64w8s4g.")
+        raise argparse.ArgumentTypeError(f"tile {spec!r} is not BMxBNxBK w<warps> s<stages> g|i [s], "
+                                         "e.g. 128x128x64w8s4g or 128x128x64w8s4gs.")
     bm, bn, bk, warps, stages = (int(v) for v in mt.groups()[:5])
-    return TcTiles(bm, bn, bk, warps, stages, "gather" if mt.group(6) == "g" else "index")
+    return TcTiles(bm, bn, bk, warps, stages, "gather" if mt.group(6) == "g" else "index",
+                   "shared" if mt.group(7) else "register")
 
 
 def tile_spec(t: TcTiles) -> str:
     """The inverse of `parse_tile`."""
-    return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}{t.unpack[0]}"
+    shared = "s" if t.operand == "shared" else ""
+    return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}{t.unpack[0]}{shared}"
 
 
 def smm(x: torch.Tensor, w: fp8.Fp8Weight, fast: bool) -> torch.Tensor:
@@ -172,7 +177,8 @@ def summarize(args: argparse.Namespace, tc_names: list[str], totals: dict[tuple[
         for i, m in enumerate(ms):
             top = "1 << 62" if i == len(ms) - 1 else str(m)
             t = parse_tile(best_by_m[m][0])
-            print(f"    ({top}, TcTiles({t.block_m}, {t.block_n}, {t.block_k}, {t.warps}, {t.stages}, {t.unpack!r})),")
+            print(f"    ({top}, TcTiles({t.block_m}, {t.block_n}, {t.block_k}, {t.warps}, {t.stages}, {t.unpack!r}, "
+                  f"{t.operand!r})),")
         print(f"quant_linear.TC_M_MAX: tc beat q4_deq at M = {beats or 'none'} (TC_M_MAX covers M above "
               "LARGE_M_MIN up to the largest M of an unbroken run of wins).")
     return rows

@@ -3,8 +3,8 @@
 CPU: the Triton interpreter (conftest.py), small tiles on tiny shapes: M, N and K not multiples of the tiles,
 K not a multiple of the group, groups 16/32/64/128/-1, 4 and 8 bits, with and without zero points, bias,
 float32 and float16 x (the interpreter's bfloat16 tl.dot is wrong: test_quant_linear.py's docstring), strided
-x, both ways of unpacking the words ("gather", "index"). GPU: real Llama-3.1-8B sizes in bfloat16 (tests/gpu
-marker via `pytest.mark.gpu`).
+x, both ways of unpacking the words ("gather", "index") and both places for the unpacked tile ("register",
+"shared"). GPU: real Llama-3.1-8B sizes in bfloat16 (tests/gpu marker via `pytest.mark.gpu`).
 """
 
 from __future__ import annotations
@@ -45,13 +45,18 @@ def test_matches_dequantize_then_matmul(bits, group_size, zeros, m):
 
 
 @pytest.mark.parametrize("bits,group_size,zeros", [(4, 32, True), (8, -1, False)])
-def test_index_unpack_matches_gather(bits, group_size, zeros):
+def test_unpack_modes_and_operands(bits, group_size, zeros):
     k = 2 * 32 + 40 if group_size == 32 else 200
     w = random_quant(40, k, bits, group_size, zeros, False, device=DEV)
     x = torch.randn(21, k, device=DEV)
     y = quant_gemm_tc(x, w, tiles=TcTiles(16, 32, 32, 4, 1, "index"))
     _check(y, x, w)
     assert torch.equal(y, quant_gemm_tc(x, w, tiles=TcTiles(16, 32, 32, 4, 1, "gather")))
+    for unpack in ("index", "gather"):  # the weight tile as the dot's shared-memory operand: y = x W^T
+        _check(quant_gemm_tc(x, w, tiles=TcTiles(16, 32, 32, 4, 1, unpack, "shared")), x, w)
+    xh = x.to(torch.float16)
+    wh = w._replace(scales=w.scales.to(torch.float16))
+    _check(quant_gemm_tc(xh, wh, tiles=TcTiles(16, 32, 32, 4, 1, "gather", "shared")), xh, wh)
 
 
 def test_half_precision_bias_and_strided_x():
@@ -85,6 +90,8 @@ def test_supported_and_refused():
         quant_gemm_tc(torch.randn(2, 64), w, tiles=(16, 32, 64, 4, 1))
     with pytest.raises(ValueError, match="unpack must be one of"):
         quant_gemm_tc(torch.randn(2, 64), w, tiles=(16, 32, 32, 4, 1, "reshape"))
+    with pytest.raises(ValueError, match="operand one of"):
+        quant_gemm_tc(torch.randn(2, 64), w, tiles=(16, 32, 32, 4, 1, "index", "global"))
 
 
 def test_quant_linear_plans_it_between_large_m_min_and_tc_m_max(monkeypatch):
@@ -109,11 +116,11 @@ def test_quant_linear_plans_it_between_large_m_min_and_tc_m_max(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [64, 300, 1024])
-@pytest.mark.parametrize("unpack", ["gather", "index"])
-def test_gpu_real_sizes(n, k, m, unpack):
+@pytest.mark.parametrize("unpack,operand", [("index", "register"), ("gather", "register"), ("gather", "shared")])
+def test_gpu_real_sizes(n, k, m, unpack, operand):
     w = random_quant(n, k, 4, 128, True, False, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    _check(quant_gemm_tc(x, w, tiles=tc_tiles(m, 128)._replace(unpack=unpack)), x, w)
+    _check(quant_gemm_tc(x, w, tiles=tc_tiles(m, 128)._replace(unpack=unpack, operand=operand)), x, w)
 
 
 def test_large_m_paths_dry_run(tmp_path, monkeypatch, capsys):
@@ -125,12 +132,13 @@ def test_large_m_paths_dry_run(tmp_path, monkeypatch, capsys):
     import large_m_paths
 
     assert large_m_paths.parse_tile("256x128x64w8s3i") == TcTiles(256, 128, 64, 8, 3, "index")
+    assert large_m_paths.parse_tile("128x128x32w8s4gs") == TcTiles(128, 128, 32, 8, 4, "gather", "shared")
     assert all(large_m_paths.tile_spec(large_m_paths.parse_tile(s)) == s for s in large_m_paths.TC_CANDIDATES)
     out = tmp_path / "r.json"
     assert large_m_paths.main(["--dry-run", "--m", "5", "--tc-tiles", "16x32x32w4s1g", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["mismatched"] == []
     assert [(r["m"], r["best_tc"]) for r in result["per_m"]] == [(5, "16x32x32w4s1g")]
-    assert "TcTiles(16, 32, 32, 4, 1, 'gather')" in capsys.readouterr().out
+    assert "TcTiles(16, 32, 32, 4, 1, 'gather', 'register')" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         large_m_paths.main(["--dry-run", "--tc-tiles", "128x128x64"])  # no warps / stages / unpack

@@ -46,6 +46,10 @@ as at launch; `ptxas -v`, TTGIR and SASS, no GPU):
     got Triton's other layout, bank-conflicted, at 214-249 registers. BLOCK_K = 16 has one wgmma per step,
     waited for at once. A bf16 Triton GEMM at 128 x 128 x 64: 108 registers, four back-to-back HGMMAs per
     K step, one group in flight.
+  - W in shared memory (operand "shared": y = x W^T, the previous version's structure without the reshape):
+    back-to-back HGMMAs per K step like bf16's, no C7515, then a full wait (the staged tile is rewritten
+    next step), so again only other CTAs overlap the unpacking; 128 x 128 x 32 with 8 warps at 128
+    registers (2 CTAs per SM), 256 x 128 x 64 at 254; the tile is stored with one STS.U16 per element.
   - `tests/kernels/test_quant_compile_sm70.py` checks the planned tiles for spills (and reports C7515).
 
 Status: H200 timings of this version are pending; TC_TILES is the best guess from the compile (above), and
@@ -70,7 +74,9 @@ class TcTiles(NamedTuple):
     """One launch configuration of `quant_gemm_tc_kernel`: output tile BLOCK_M x BLOCK_N, K tile BLOCK_K
     (columns; must divide the group size), warps, pipeline stages, and how the packed words reach the
     [BLOCK_N, BLOCK_K] tile: "index" (each column loads its own word k // p) or "gather" (16-byte loads of the
-    packed words, tl.gather of word k // p per column); module docstring."""
+    packed words, tl.gather of word k // p per column), and where wgmma reads the unpacked tile: "register"
+    (y^T = W x^T, W the register operand) or "shared" (y = x W^T, W stored to shared memory every K step);
+    module docstring."""
 
     block_m: int
     block_n: int
@@ -78,6 +84,7 @@ class TcTiles(NamedTuple):
     warps: int
     stages: int
     unpack: str = "index"
+    operand: str = "register"
 
 
 # The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. A guess from the
@@ -88,6 +95,7 @@ TC_TILES: tuple[tuple[int, TcTiles], ...] = (
     (1 << 62, TcTiles(128, 128, 32, 8, 3, "index")),
 )
 UNPACK_MODES = ("gather", "index")
+OPERANDS = ("register", "shared")
 GROUP_M = 8
 
 
@@ -115,7 +123,7 @@ def quant_gemm_tc_kernel(
     stride_xm, stride_xk, stride_qn, stride_qw, stride_sn, stride_sg, stride_zn, stride_zg, stride_om, stride_on,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP_FP16: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, GATHER: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, GATHER: tl.constexpr, W_IN_REGS: tl.constexpr,
 ):
     P: tl.constexpr = 32 // BITS
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -124,8 +132,16 @@ def quant_gemm_tc_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    # x^T tile [BLOCK_K, BLOCK_M] (the dot's shared-memory operand) and the weight's [BLOCK_N, BLOCK_K] words.
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
+    # W_IN_REGS: acc^T [BLOCK_N, BLOCK_M] += W @ x^T, x^T [BLOCK_K, BLOCK_M] the dot's shared-memory operand;
+    # else acc [BLOCK_M, BLOCK_N] += x @ W^T with W staged in shared memory (TcTiles.operand).
+    if W_IN_REGS:
+        x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
+        x_mask = m_mask[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+        x_mask = m_mask[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn  # [BLOCK_N, 1]
     col_ptrs = qw_ptr + offs_n[None, :].to(tl.int64) * stride_qn  # [1, BLOCK_N]
     offs_w = tl.arange(0, BLOCK_K // P)
@@ -134,9 +150,11 @@ def quant_gemm_tc_kernel(
     num_words = tl.cdiv(K, P)
     s_ptrs = s_ptr + offs_n * stride_sn
     z_ptrs = z_ptr + offs_n * stride_zn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[None, :] & ((k0 + offs_k) < K)[:, None], other=0.0)
+        if W_IN_REGS:
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=x_mask & ((k0 + offs_k) < K)[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs + k0 * stride_xk, mask=x_mask & ((k0 + offs_k) < K)[None, :], other=0.0)
         if GATHER:
             wi = k0 // P + offs_w
             packed = tl.load(row_ptrs + wi[None, :] * stride_qw, mask=n_mask[:, None] & (wi < num_words)[None, :],
@@ -157,11 +175,12 @@ def quant_gemm_tc_kernel(
         # 2^23 + q as float32 bits (exact), minus 2^23 + z: q - z exactly, without an int -> float conversion.
         q = (((words >> shift) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
         w = ((q - (z + 8388608.0)[:, None]) * s[:, None]).to(x.dtype)
-        if IEEE:
-            acc = tl.dot(w, x, acc, input_precision="ieee")
+        if W_IN_REGS:
+            acc = tl.dot(w, x, acc, input_precision="ieee" if IEEE else None)
         else:
-            acc = tl.dot(w, x, acc)
-    acc = tl.trans(acc)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
+    if W_IN_REGS:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if CLAMP_FP16:
@@ -196,9 +215,11 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
     if w.g_idx is not None:
         raise ValueError("quant_gemm_tc does not take act-order weights (g_idx); quant_linear plans another path.")
     group = k if w.group_size == -1 else w.group_size
-    bm, bn, bk, warps, stages, unpack = TcTiles(*tiles) if tiles is not None else tc_tiles(x.shape[0], w.group_size)
-    if unpack not in UNPACK_MODES:
-        raise ValueError(f"unpack must be one of {UNPACK_MODES}, not {unpack!r}.")
+    bm, bn, bk, warps, stages, unpack, operand = (TcTiles(*tiles) if tiles is not None
+                                                   else tc_tiles(x.shape[0], w.group_size))
+    if unpack not in UNPACK_MODES or operand not in OPERANDS:
+        raise ValueError(f"unpack must be one of {UNPACK_MODES} and operand one of {OPERANDS}, not {unpack!r} "
+                         f"and {operand!r}.")
     if (w.group_size != -1 and group % bk) or bk % pack_factor(w.bits) or bk < 16:
         raise ValueError(f"BLOCK_K {bk} must be >= 16, a multiple of {pack_factor(w.bits)} and divide the group "
                          f"size {group}.")
@@ -215,6 +236,6 @@ def quant_gemm_tc(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None = 
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, out.stride(0), out.stride(1),
         BITS=w.bits, HAS_ZEROS=z is not None, HAS_BIAS=bias is not None, CLAMP_FP16=x.dtype == torch.float16,
         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, NUM_STAGES=stages,
-        GATHER=unpack == "gather", num_warps=warps,
+        GATHER=unpack == "gather", W_IN_REGS=operand == "register", num_warps=warps,
     )
     return out
