@@ -4,14 +4,16 @@ For the rows where `quant_linear`'s other paths lose to bf16 (its module docstri
 rows its dequantize + cuBLAS path writes and re-reads the whole weight in x's dtype on every call (on the H200
 a Llama-3.1-8B layer took 484 us at M = 512 against bf16's 301; `benchmarks/gpu/large_m_paths.py`), and its
 tiled kernel, built for few rows, was 5x slower than bf16 there. This kernel is an output-tiled GEMM (one
-program per [BLOCK_M, BLOCK_N] tile of y, grouped tile order for L2 reuse, software-pipelined K loop) that
-computes the transposed tile, y^T = W x^T, so that the unpacked weight is the dot's first operand, which
-Hopper's wgmma reads from registers (x^T comes from shared memory, as in a bf16 GEMM):
+program per [BLOCK_M, BLOCK_N] tile of y, grouped tile order for L2 reuse, software-pipelined K loop). With
+operand "register" (`TcTiles`) it computes the transposed tile, y^T = W x^T, so that the unpacked weight is
+the dot's first operand, which Hopper's wgmma reads from registers (x^T comes from shared memory, as in a bf16
+GEMM); with "shared" it computes y = x W^T and the unpacked tile is stored to shared memory every K step:
 
     word  [BLOCK_N, BLOCK_K] int32 = qweight[n, k // p]           p = 32 // bits values per word (`quant_pack`)
     q     = (word >> (bits * (k % p))) & (2^bits - 1)
     W     = round_x((q - z[n, g]) * s[n, g])                      g = k0 // group_size, float32 math
-    acc  += W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]          tl.dot, float32 accumulator [BLOCK_N, BLOCK_M]
+    acc  += W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]          tl.dot, float32 accumulator ("register"), or
+    acc  += x [BLOCK_M, BLOCK_K] @ W^T                             ("shared")
 
 Each column k of the tile indexes its own word, so no reshape of a [.., p] tensor is needed; the words reach
 the tile either by loading word k // p per column ("index": p-fold repeated addresses, served by shared memory
@@ -56,6 +58,9 @@ Status: H200 timings of this version are pending; TC_TILES is the best guess fro
 `quant_linear.TC_M_MAX` keeps the kernel off until `benchmarks/gpu/large_m_paths.py` (which times any tiles
 given as --tc-tiles against bf16 and dequantize + cuBLAS, and suggests a TC_TILES table) shows it ahead of
 dequantize + cuBLAS. The previous version ran at 0.12-0.17x of bf16 per Llama-3.1-8B layer for M = 128..4096.
+Register-operand wgmma has had a ptxas miscompile (inputs reused before the wgmma read them; reported for
+CUDA 12.9's ptxas, Triton 3.6 assembles sm_90 with 12.8), so the benchmark checks every tile's output against
+dequantize + cuBLAS and the GPU tests cover both operands at Llama sizes.
 """
 
 from __future__ import annotations
