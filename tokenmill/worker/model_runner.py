@@ -275,7 +275,7 @@ class ModelRunner:
         # A graph is captured for sequences up to graph_max_seq_len (--max-seq-len-to-capture); longer runs eagerly.
         if self.cuda_graphs is not None and md.max_seq_len <= self.graph_max_seq_len:
             if md.max_query_len == 1:
-                hidden = self.cuda_graphs.replay(md.num_reqs)
+                hidden = self.cuda_graphs.replay(md.num_reqs, md.max_seq_len)
             else:
                 hidden = self.cuda_graphs.replay_mixed(md.num_reqs, md.num_actual_tokens)
         if hidden is None:
