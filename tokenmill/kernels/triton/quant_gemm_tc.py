@@ -54,10 +54,13 @@ as at launch; `ptxas -v`, TTGIR and SASS, no GPU):
     registers (2 CTAs per SM), 256 x 128 x 64 at 254; the tile is stored with one STS.U16 per element.
   - `tests/kernels/test_quant_compile_sm70.py` checks the planned tiles for spills (and reports C7515).
 
-Status: H200 timings of this version are pending; TC_TILES is the best guess from the compile (above), and
-`quant_linear.TC_M_MAX` keeps the kernel off until `benchmarks/gpu/large_m_paths.py` (which times any tiles
-given as --tc-tiles against bf16 and dequantize + cuBLAS, and suggests a TC_TILES table) shows it ahead of
-dequantize + cuBLAS. The previous version ran at 0.12-0.17x of bf16 per Llama-3.1-8B layer for M = 128..4096.
+Status: still slow, so `quant_linear.TC_M_MAX` keeps it off. On the H200 (session 13, 8c3c49a,
+`python benchmarks/gpu/large_m_paths.py`: 14 candidate tiles, each checked against dequantize + cuBLAS) the
+best tile per M ran a Llama-3.1-8B layer at 0.21-0.22x of bf16 for M = 64..512 (128 x 64 x 64, 4 warps,
+gather, W in shared memory) and 0.30-0.33x for M = 1024..4096 (256 x 128 x 64, 8 warps, gather, W as the
+register operand), against 0.39-0.90x for dequantize + cuBLAS; every tile was slower than dequantize + cuBLAS
+at every M. The previous version ran at 0.12-0.17x. What Triton cannot express here (an in-flight wgmma
+beside conflict-free word reads, above) is the next thing to try, e.g. in Gluon with explicit layouts.
 Register-operand wgmma has had a ptxas miscompile (inputs reused before the wgmma read them; reported for
 CUDA 12.9's ptxas, Triton 3.6 assembles sm_90 with 12.8), so the benchmark checks every tile's output against
 dequantize + cuBLAS and the GPU tests cover both operands at Llama sizes.
