@@ -155,7 +155,6 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * QPK_PAD
     BLOCK_N: tl.constexpr,  # KV positions per loop step
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= head_dim (>= 16)
-    EVEN_D: tl.constexpr,  # head_dim == HEAD_DIM_PAD (no mask along the head dimension)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
@@ -218,10 +217,7 @@ def paged_attention_kernel(
     head_in_group = offs_m % QPK_PAD
     head = kv_head * num_queries_per_kv + head_in_group
     row_valid = (tok < q_len) & (head_in_group < num_queries_per_kv)
-    # A head_dim mask known at compile time (EVEN_D: head_dim == HEAD_DIM_PAD) keeps the K/V loads vectorized,
-    # which Triton's pipeliner needs to turn them into cp.async copies (a runtime mask along the contiguous
-    # dimension made them element-wise, synchronous loads).
-    d_valid = (offs_d < HEAD_DIM_PAD) if EVEN_D else (offs_d < head_dim)
+    d_valid = offs_d < head_dim
     tok_global = (q_start + tok).to(tl.int64)
     io_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(
@@ -270,7 +266,7 @@ def paged_attention_kernel(
         n_valid = offs_n < kv_end
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_off = block_id * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + head_off
-        kv_mask = (n_valid[:, None] & d_valid[None, :]) if not EVEN_D else n_valid[:, None]
+        kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(kv_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         if KV_FP8:  # exact: every fp8 value is a float16 / bfloat16 / float32 number

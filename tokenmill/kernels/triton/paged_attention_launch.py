@@ -174,7 +174,6 @@ def paged_attention(
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             HEAD_DIM_PAD=tiles.head_dim_pad,
-            EVEN_D=head_dim == tiles.head_dim_pad,
             USE_WINDOW=sliding_window is not None and sliding_window > 0,
             USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
             USE_SINKS=sinks is not None,
