@@ -82,8 +82,9 @@ def test_chat_content_parts_are_joined_and_non_text_refused():
     img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     with pytest.raises(ValueError, match="only text"):
         img.message_dicts()
-    with pytest.raises(ValueError, match="at least one message"):
+    with pytest.raises(ValueError, match="at least one message") as info:
         ChatCompletionRequest(messages=[]).message_dicts()
+    assert info.value.param == "messages"  # the 400 body's `param` (fresh-user trial: it was null)
 
 
 def test_top_logprobs_without_logprobs_is_refused():

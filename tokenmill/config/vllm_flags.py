@@ -122,7 +122,9 @@ FLAGS: tuple[FlagInfo, ...] = (
        ("--attention-backend", "FLASH_ATTN")),
     _i("--enforce-eager", "No CUDA graphs.", ("--enforce-eager",)),
     _i("--max-seq-len-to-capture", "Steps (decode or mixed) whose longest sequence is above this run eagerly "
-       "instead of in a CUDA graph (default 8192, as vLLM).", ("--max-seq-len-to-capture", "1024")),
+       "instead of in a CUDA graph (default: max_model_len, so decode steps at any context length replay graphs, "
+       "as in vLLM V1, which dropped the flag; vLLM V0's default was 8192. On an H200 a 126k-token Llama-3.1-8B "
+       "decode step took 30.1 ms eagerly for 9.8 ms of GPU work).", ("--max-seq-len-to-capture", "1024")),
     # --- parallel ---
     _i("--tensor-parallel-size", "Tensor-parallel ranks (-tp).", ("--tensor-parallel-size", "3")),
     _i("--pipeline-parallel-size", "Pipeline stages (-pp).", ("--pipeline-parallel-size", "2")),

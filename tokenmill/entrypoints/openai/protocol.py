@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_serializer, model_validator
 
 from tokenmill.entrypoints.openai.request_fields import check_undeclared_fields
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import InvalidFieldError, RequestOutputKind, SamplingParams
 from tokenmill.structured_output.request import structured_outputs_from_fields
 
 # Seeds are 64-bit (signed or unsigned) values, as vLLM accepts.
@@ -354,7 +354,7 @@ class ChatCompletionRequest(_SamplingRequest):
             ValueError: no messages, or a non-text content part.
         """
         if not self.messages:
-            raise ValueError("messages must contain at least one message.")
+            raise InvalidFieldError("messages", "messages must contain at least one message.")
         out = []
         for i, m in enumerate(self.messages):
             d = m.model_dump(exclude_none=True)
