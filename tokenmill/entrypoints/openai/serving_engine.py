@@ -247,7 +247,7 @@ class OpenAIServing:
             return None
         tok = self.engine.tokenizer
         return [None if pos is None else {
-            str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+            str(tid): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
                        "decoded_token": token_text(tok, tid, lp.decoded_token, as_token_ids)}
             for tid, lp in pos.items()} for pos in positions]
 
@@ -406,6 +406,9 @@ def finish_reason_text(reason: Any) -> str | None:
     return None if reason is None else str(reason)
 
 
+# The lowest logprob the OpenAI server reports (vLLM's clamp): -inf has no JSON number.
+LOGPROB_FLOOR = -9999.0
+
 def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs | None], token_ids: list[int], num_top: int,
                    as_token_ids: bool = False) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
     """Per token: (its text, its logprob or None when not reported, the top `num_top` (text, logprob)).
@@ -413,6 +416,9 @@ def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs | None], tok
     `positions[i]` is the logprob dict of token `token_ids[i]`, or None where
     no logprobs exist (an echoed first prompt token: logprob and top are then
     None); the top alternatives are sorted by logprob, highest first.
+    Logprobs are clamped below at -9999.0, as vLLM's OpenAI server does: a
+    token of probability 0 (-inf, e.g. one a logits processor masked) would
+    otherwise have no JSON number.
     as_token_ids: `return_tokens_as_token_ids` ("token_id:<id>" instead of text).
     """
     out = []
@@ -423,8 +429,9 @@ def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs | None], tok
             out.append((text, None, None))
             continue
         top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:num_top] if num_top else []
-        out.append((text, sampled.logprob if sampled else None,
-                    [(token_text(tokenizer, t, lp.decoded_token, as_token_ids), lp.logprob) for t, lp in top]))
+        out.append((text, max(sampled.logprob, LOGPROB_FLOOR) if sampled else None,
+                    [(token_text(tokenizer, t, lp.decoded_token, as_token_ids), max(lp.logprob, LOGPROB_FLOOR))
+                     for t, lp in top]))
     return out
 
 
