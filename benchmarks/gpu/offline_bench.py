@@ -13,9 +13,12 @@ One part per invocation (each a fresh process, so every engine starts on a clean
            returned each token (TPOT excludes the first token); GPU time per
            decode step = the sum of CUDA kernel times that torch.profiler
            records over --profile-steps decode steps of a second, identical-
-           length request, divided by the steps; plus the span of
-           execute_model between two CUDA events (which includes the GPU idle
-           while the host launches kernels).
+           length request, divided by the steps launched while the profiler
+           ran (the GPU is synchronized before it starts: under async
+           scheduling the step of the next token is already launched, and
+           its kernels must count either whole or not at all); plus the span
+           of execute_model between two CUDA events (which includes the GPU
+           idle while the host launches kernels).
 
 Timing: wall time of `generate` only, after a warm-up generate (Triton
 compiles happen there) and with model loading outside. Only generated tokens
@@ -156,6 +159,7 @@ class StepRecorder:
         if self.profile_window and self.cuda:
             first, n = self.profile_window
             if self.steps == first:
+                _sync_device()  # steps launched before the window (async scheduling) finish outside it
                 self._prof, self._prof_tokens = _start_profiler(), 0
             elif self.steps == first + n and self._prof is not None:
                 print(f"steps {first}..{first + n - 1} under torch.profiler ({self._prof_tokens} scheduled tokens):",
@@ -208,7 +212,7 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         "kv_cache_dtype": args.kv_cache_dtype}
     if args.disable_hybrid_kv_cache_manager:
         kwargs["disable_hybrid_kv_cache_manager"] = True
-    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes", "quantization"):
+    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes", "quantization", "async_scheduling"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     model_dir = Path(tempfile.mkdtemp(prefix="offline_bench_"))
@@ -423,21 +427,33 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     facts = engine_facts(llm, startup)
     engine, recorder = llm.llm_engine, StepRecorder(llm)
     prompts = make_workload(4, (args.tpot_input,) * 2, (1, 1), vocab, args.seed)
+    profiled = {"steps": 0}  # decode steps launched while the profiler ran
 
     def one(rid: str, ids: list[int], n_out: int, profile_steps: int = 0) -> tuple[float, list[float], float | None]:
+        """Run one request to its end: (start time, token arrival times, GPU us per profiled decode step or None).
+
+        With `profile_steps`, the profiler runs from the first token until `profile_steps` more have come
+        back. Under async scheduling the step of token 2 is already launched (and running on the GPU) when the
+        first token returns, and only `profile_steps - 1` steps are launched inside the window, so the GPU is
+        synchronized before the profiler starts and the kernel time is divided by the launches in the window
+        (dividing by the tokens counted 3 of 4 steps' kernels as 4: a 126k-token step read 6.33 ms for ~8.4).
+        """
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
-        prof, kernel_us, stamps = None, None, []
+        prof, kernel_us, stamps, launched = None, None, [], 0
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             if profile_steps and len(stamps) == 1 and prof is None and kernel_us is None:  # decode steps only
-                prof = _start_profiler()
+                _sync_device()
+                prof, launched = _start_profiler(), recorder.steps
             outs = engine.step()
             now = time.perf_counter()
             stamps += [now for o in outs for _ in o.outputs[0].token_ids]
             if prof is not None and len(stamps) == 1 + profile_steps:
-                kernel_us, prof = _stop_profiler(prof), None
+                kernel_us, prof = _stop_profiler(prof), None  # synchronizes first: every launched step counts
+                profiled["steps"] = steps = recorder.steps - launched
+                kernel_us = kernel_us / steps if kernel_us and steps else None
         return t0, stamps, kernel_us
 
     one("warmup", prompts[0][0], args.tpot_output)
@@ -448,7 +464,7 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
     gaps = np.diff(stamps) * 1e3
     n_prof = min(args.profile_steps, args.tpot_output - 1)
     _, _, kernel_us = one("profiled", prompts[2][0], 1 + n_prof, profile_steps=n_prof)
-    kernel_ms = kernel_us / 1e3 / n_prof if kernel_us and n_prof else None
+    kernel_ms = kernel_us / 1e3 if kernel_us and n_prof else None
     # The first step (prefill + first token) of a fresh prompt under the profiler: its wall time, the GPU
     # time inside it and the kernels that took it (issue 24's TTFT breakdown).
     prof = _start_profiler()
@@ -464,7 +480,7 @@ def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> N
         "tpot_p50_ms": float(np.median(gaps)) if len(gaps) else None, "tpot_max_ms": float(gaps.max()) if len(gaps) else None,
         "execute_model_ms": float(np.mean(spans)) if spans else None,
         "execute_model_timer": "cuda_events" if recorder.cuda else "perf_counter",
-        "gpu_kernel_ms_per_decode_step": kernel_ms, "profiled_decode_steps": n_prof if kernel_ms else 0,
+        "gpu_kernel_ms_per_decode_step": kernel_ms, "profiled_decode_steps": profiled["steps"] if kernel_ms else 0,
         "host_overhead_ms": tpot - kernel_ms if kernel_ms else None,
         "ttft_profiled_ms": (first_stamps[0] - t_first) * 1e3 if first_stamps else None,
         "ttft_gpu_kernel_ms": first_kernel_us / 1e3 if first_kernel_us else None, "engine": facts}
@@ -501,6 +517,14 @@ def _host_profile(first_token: Any, fresh: int = 6) -> None:
         start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
         print(f"host functions by {key}:", flush=True)
         print("\n".join(ln[:160] for ln in lines[start:]), flush=True)
+
+
+def _sync_device() -> None:
+    """Wait for the GPU's queued work (no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _start_profiler() -> Any | None:
@@ -651,6 +675,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-prompts", type=int, default=64, help="offline/short: prompts per warm-up generate (two of them)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (float16 under --force-cc70)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on for one CUDA device, off on the CPU)")
     ap.add_argument("--quantization", default=None,
                     help="tokenmill's --quantization, e.g. fp8 on a 16-bit config (FP8 weights quantized at load)")
     ap.add_argument("--skip-tokenmill", action="store_true", help="offline/short: the transformers baseline only")

@@ -91,6 +91,46 @@ def test_tpot_part(bench, common, tmp_path, capsys):
     assert "| 12 | 8 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_tpot_kernel_time_counts_whole_launched_steps(bench, common, tmp_path, monkeypatch, async_scheduling):
+    """GPU time per decode step = kernels of the steps launched inside the profiler window / their number.
+
+    A fake profiler stands in for torch.profiler: each step run while it is on adds 1000 us. Under async
+    scheduling the step of token 2 is launched before the window opens, so only 3 steps run inside a window
+    of 4 tokens; dividing by the tokens read 0.75 ms for a 1 ms step.
+    """
+    from tokenmill.worker.model_runner import ModelRunner
+
+    class FakeProfiler:
+        active: FakeProfiler | None = None
+
+        def __init__(self) -> None:
+            self.us = 0.0
+            FakeProfiler.active = self
+
+    def stop(prof, top=0):
+        FakeProfiler.active = None
+        return prof.us or None
+
+    launch = ModelRunner.execute_model_async
+
+    def counted(self, scheduler_output):
+        if FakeProfiler.active is not None:
+            FakeProfiler.active.us += 1000.0
+        return launch(self, scheduler_output)
+
+    monkeypatch.setattr(ModelRunner, "execute_model_async", counted)
+    monkeypatch.setattr(bench, "_start_profiler", FakeProfiler)
+    monkeypatch.setattr(bench, "_stop_profiler", stop)
+    out = tmp_path / "tpot.json"
+    flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
+    bench.main(["--part", "tpot", *common, "--tpot-input", "12", "--tpot-output", "8", "--profile-steps", "4", flag,
+                "--json-out", str(out)])
+    tm = json.loads(out.read_text())["tokenmill"]
+    assert tm["gpu_kernel_ms_per_decode_step"] == 1.0
+    assert tm["profiled_decode_steps"] == (3 if async_scheduling else 4)
+
+
 def test_prefill_part(bench, common, tmp_path, capsys):
     out = tmp_path / "prefill.json"
     bench.main(["--part", "prefill", *common, "--num-prompts", "3", "--prefill-len", "80", "--json-out", str(out)])
