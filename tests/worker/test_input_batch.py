@@ -75,3 +75,31 @@ def test_remove_compacts_rows_and_unscheduled_rows_are_skipped():
     assert s.attn_metadata.slot_mapping.tolist() == [4, 5, 6, 7, 24]  # blocks [1, 6], positions 0..4
     b.remove_request("zzz")  # unknown: no-op
     assert b.num_reqs == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_commit_copies_only_the_columns_the_rows_use(device, monkeypatch):
+    """A step copies its rows' used columns (rounded up to COLUMN_QUANTUM), not max_model_len's: the columns
+    past them keep whatever the device table held (here a sentinel), and the copied ones are exact."""
+    from tokenmill.worker import block_table as bt_module
+
+    monkeypatch.setattr(bt_module, "COLUMN_QUANTUM", 4)
+    dev = torch.device(device)
+    bt = BlockTable(3, 16, 16, dev, pin_memory=device == "cuda")
+    bt.add_row(0, [7, 3, 9])
+    bt.add_row(1, [5])
+    bt.add_row(2, list(range(20, 30)))
+    bt.block_table.fill_(-7)
+    table = bt.commit(np.array([1, 0]))  # 3 blocks at most -> 4 columns
+    assert table.shape == (2, 16)
+    assert table[:, :4].tolist() == [[5, 0, 0, 0], [7, 3, 9, 0]]
+    assert (table[:, 4:] == -7).all() and (bt.block_table[2] == -7).all()
+    bt.block_table.fill_(-7)
+    table = bt.commit(np.array([2, 1, 0]))  # 10 blocks -> 12 columns
+    assert table[0, :12].tolist() == list(range(20, 30)) + [0, 0]
+    assert table[2, :3].tolist() == [7, 3, 9] and (table[:, 12:] == -7).all()
+    bt.append_row(1, list(range(40, 46)))  # 7 blocks -> 8 columns; row 0 held row 2's ids past them
+    table = bt.commit(np.array([1]))
+    assert table[0].tolist() == [5, *range(40, 46), 0, 28, 29, 0, 0] + [-7] * 4
+    bt.append_row(1, list(range(46, 55)))  # 16 blocks: the full width
+    assert bt.commit(np.array([1]))[0].tolist() == [5, *range(40, 55)]

@@ -5,6 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# `commit` copies a multiple of this many columns (block ids) per row, so (rows, columns) repeats across the
+# steps of a growing context (16 x 64 = 1,024 tokens) and its views stay cached.
+COLUMN_QUANTUM = 64
+_MAX_CACHED_VIEWS = 512
+
 
 class BlockTable:
     """Block ids by batch row, in a NumPy array mirrored to the device each step.
@@ -24,11 +29,15 @@ class BlockTable:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, np.int32)
-        self._staging = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, pin_memory=pin_memory)
-        self._staging_np = self._staging.numpy()
+        # Flat staging buffers: a step's [n, cols] rows are packed contiguously at their start (see `commit`).
+        size = max_num_reqs * max_num_blocks_per_req
+        self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=pin_memory)
+        self._dev_staging = self._staging if device.type == "cpu" else torch.zeros(size, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device)
-        # n -> (staging[:n], block_table[:n]): torch slicing costs microseconds, n repeats every step.
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (n, cols) -> (host staging [n, cols] as NumPy and torch, device staging [n, cols] or None,
+        # block_table[:n, :cols], block_table[:n]):
+        # torch slicing costs microseconds, and (n, cols) repeats step after step.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def add_row(self, row: int, block_ids: list[int]) -> None:
         """Replace row `row` with `block_ids`."""
@@ -73,13 +82,35 @@ class BlockTable:
     def commit(self, rows: np.ndarray) -> torch.Tensor:
         """Copy the table rows `rows` (in that order) to the device: [len(rows), max_blocks] int32.
 
-        Entries past a row's blocks hold stale ids; backends never read them
-        (attention stops at seq_lens).
+        Only the columns some of these rows use are copied, rounded up to a
+        multiple of `COLUMN_QUANTUM`: a step's host work and transfer follow the
+        blocks its requests hold, not max_model_len (256 rows x 8,192 columns
+        for max_model_len 131072 are 8 MiB a step). Entries past the copied
+        columns, like those past a row's own blocks, hold stale ids; backends
+        never read them (attention stops at seq_lens, and every row's blocks
+        lie within the copied columns).
+
+            rows [2, 0], blocks per row {0: 3, 2: 1}, quantum 2 -> cols 4:
+            block_table[0, :4] = table[2, :4]; block_table[1, :4] = table[0, :4]
         """
         n = len(rows)
-        views = self._views.get(n)
+        used = int(self.num_blocks_per_row[rows].max()) if n else 0
+        cols = min(-(-max(used, 1) // COLUMN_QUANTUM) * COLUMN_QUANTUM, self.max_num_blocks_per_req)
+        views = self._views.get((n, cols))
         if views is None:
-            views = self._views[n] = (self._staging[:n], self.block_table[:n])
-        np.take(self.block_table_np, rows, axis=0, out=self._staging_np[:n])
-        views[1].copy_(views[0], non_blocking=True)
-        return views[1]
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            host = self._staging[: n * cols].view(n, cols)
+            # Full width: block_table[:n] is contiguous and takes the rows directly. Fewer columns: the rows
+            # go packed to a device staging buffer in one plain transfer, then one strided device copy puts
+            # them into the persistent table (whose rows the CUDA graphs read).
+            dev = None if cols == self.max_num_blocks_per_req or self._dev_staging is self._staging else (
+                self._dev_staging[: n * cols].view(n, cols))
+            views = self._views[(n, cols)] = (host.numpy(), host, dev, self.block_table[:n, :cols], self.block_table[:n])
+        host_np, host, dev, dst, table = views
+        np.take(self.block_table_np[:, :cols], rows, axis=0, out=host_np)
+        if dev is not None:
+            dev.copy_(host, non_blocking=True)
+            host = dev
+        dst.copy_(host, non_blocking=True)
+        return table
