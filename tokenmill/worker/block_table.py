@@ -32,7 +32,8 @@ class BlockTable:
         # Flat staging buffers: a step's [n, cols] rows are packed contiguously at their start (see `commit`).
         size = max_num_reqs * max_num_blocks_per_req
         self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=pin_memory)
-        self._dev_staging = self._staging if device.type == "cpu" else torch.zeros(size, dtype=torch.int32, device=device)
+        self._dev_staging = (self._staging if device.type == "cpu"
+                             else torch.zeros(size, dtype=torch.int32, device=device))
         self.block_table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device)
         # (n, cols) -> (host staging [n, cols] as NumPy and torch, device staging [n, cols] or None,
         # block_table[:n, :cols], block_table[:n]):
@@ -106,9 +107,14 @@ class BlockTable:
             # them into the persistent table (whose rows the CUDA graphs read).
             dev = None if cols == self.max_num_blocks_per_req or self._dev_staging is self._staging else (
                 self._dev_staging[: n * cols].view(n, cols))
-            views = self._views[(n, cols)] = (host.numpy(), host, dev, self.block_table[:n, :cols], self.block_table[:n])
+            views = (host.numpy(), host, dev, self.block_table[:n, :cols], self.block_table[:n])
+            self._views[(n, cols)] = views
         host_np, host, dev, dst, table = views
-        np.take(self.block_table_np[:, :cols], rows, axis=0, out=host_np)
+        if cols == self.max_num_blocks_per_req:
+            np.take(self.block_table_np, rows, axis=0, out=host_np)
+        else:
+            # Not np.take over table[:, :cols]: it first copies that whole non-contiguous slice (every row).
+            host_np[...] = self.block_table_np[rows, :cols]
         if dev is not None:
             dev.copy_(host, non_blocking=True)
             host = dev
