@@ -38,7 +38,7 @@ Commands (repository root, one H200; `--json-out FILE` writes the numbers):
     python benchmarks/gpu/offline_bench.py --part tpot
     python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0
     python benchmarks/gpu/offline_bench.py --part offline --force-cc70      # fp16, V100 code paths, no baseline
-    python benchmarks/gpu/offline_bench.py --part prefill                   # 16 x 32k prompts, 1 token each: prompt tok/s
+    python benchmarks/gpu/offline_bench.py --part prefill                   # 16 x 32k prompts, 1 token each
     python benchmarks/gpu/offline_bench.py --part tpot --tpot-input 126000 --tpot-output 64 --max-model-len 131072
 
 Without a .git in the copy, pass `--git-commit SHA` to record the commit.

@@ -118,10 +118,12 @@ def long_context() -> None:
     110,000 + 16,384) over a prefill tile grid, with TFLOP/s (causal: 4 * q * avg visible keys * heads * d); then
     one decode at 126k and at 1k context for several split counts (the CUDA graph fixes one for every length)."""
     q_len, ctx = 16384, 110000
-    res = sweep(f"prefill {q_len} ctx {ctx}", [q_len], ctx, list(itertools.product([64, 128], [64, 128], [4, 8], [2, 3])))
+    grid = list(itertools.product([64, 128], [64, 128], [4, 8], [2, 3]))
+    res = sweep(f"prefill {q_len} ctx {ctx}", [q_len], ctx, grid)
     flop = 4 * q_len * (ctx + (q_len + 1) / 2) * 32 * 128
     for ms, bm, bn, nw, ns in res[:4]:
-        print(f"  block_m {bm} block_n {bn} warps {nw} stages {ns}: {flop / (ms * 1e-3) / 1e12:.0f} TFLOP/s", flush=True)
+        tflops = flop / (ms * 1e-3) / 1e12
+        print(f"  block_m {bm} block_n {bn} warps {nw} stages {ns}: {tflops:.0f} TFLOP/s", flush=True)
     for c in (126000, 8192, 1024):
         q, cache, table, seq_lens, qsl = inputs([1], c)
         out = torch.empty_like(q)

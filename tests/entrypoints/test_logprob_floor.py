@@ -11,7 +11,8 @@ from tokenmill.outputs import Logprob
 
 
 def test_minus_infinity_is_reported_as_the_floor():
-    pos = {5: Logprob(logprob=-math.inf, rank=3, decoded_token="a"), 6: Logprob(logprob=-0.25, rank=1, decoded_token="b"),
+    pos = {5: Logprob(logprob=-math.inf, rank=3, decoded_token="a"),
+           6: Logprob(logprob=-0.25, rank=1, decoded_token="b"),
            7: Logprob(logprob=-math.inf, rank=2, decoded_token="c")}
     [(text, lp, top)] = token_logprobs(None, [pos], [5], num_top=3)
     assert text == "a" and lp == LOGPROB_FLOOR == -9999.0

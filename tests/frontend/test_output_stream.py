@@ -31,6 +31,9 @@ class _Llm:
     def abort_requests(self, ids: list[str]) -> None:
         self.aborted.extend(ids)
 
+    def forget_request(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
 
 def _stream(kinds: dict[str, RequestOutputKind]) -> tuple[OutputStream, _Llm]:
     llm = _Llm()

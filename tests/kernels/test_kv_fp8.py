@@ -122,25 +122,29 @@ def test_triton_paged_attention_reads_fp8(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
-def test_triton_bfloat16_queries_run_float16_dots(dtype):
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_triton_bfloat16_queries_run_float16_dots(dtype, case):
     """bfloat16 queries over an fp8 cache: the kernel's Q_F16 path (dots in float16, each query row scaled by a
-    power of two first). Rows of very different magnitudes (x 3e4, x 1e-3) check the per-row scaling: without
-    it the large rows would overflow float16 and the small ones lose their bits."""
-    ctx, ql, h, hkv, d, bs = [0, 37, 5], [9, 1, 4], 4, 2, 16, 16
-    gen = torch.Generator().manual_seed(3)
+    power of two first), with every CASES option (window, soft-cap, sinks with splits, one launch for a mixed
+    step). Rows far from unit size check the per-row scaling: x 3e4 (|q| past float16's 65504: without the
+    scaling they overflow), x 1e30 (exponent field 226) and an all-zero row (uniform attention)."""
+    ctx, ql, h, hkv, d, bs, opts = CASES[case]
+    gen = torch.Generator().manual_seed(3 + case)
     batch = make_paged_batch(ctx, ql, num_heads=h, num_kv_heads=hkv, head_dim=d, block_size=bs,
                              dtype=torch.float32, num_padding_tokens=2, generator=gen)
-    batch.query[:3] *= 3e4  # |q| past float16's 65504: only the per-row power-of-two scaling keeps them finite
-    batch.query[9] *= 1e-3
+    n = sum(ql)
+    batch.query[0] *= 3e4
+    batch.query[n - 1] *= 1e30 if not opts.get("logits_soft_cap") else 3e4  # a soft-cap keeps scores finite anyway
+    batch.query[n // 2] = 0.0
     batch.query = batch.query.to(torch.bfloat16)
     k_scale, v_scale = 0.02, 0.05
     q8, deq = _quantized(batch, dtype, k_scale, v_scale)
     scale = d**-0.5
-    out = _triton(batch, q8, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    out = _triton(batch, q8, scale=scale, k_scale=k_scale, v_scale=v_scale, **opts)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     batch.kv_cache = deq
-    ref = reference_attention(batch, scale=scale)
-    n = ref.shape[0]
+    ref = reference_attention(batch, scale=scale, **{k: v for k, v in opts.items()
+                                                     if k not in ("num_splits", "split_decodes")})
     err = (out[:n].double() - ref).abs().max().item()
     assert err < 2e-2, f"bfloat16 queries, fp8 cache, vs float64 over the same cache: {err}"
     assert torch.all(out[n:] == 0), "padding rows must be zero"

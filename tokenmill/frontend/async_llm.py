@@ -226,6 +226,10 @@ class AsyncLLM:
             # an unfinished request must leave the core so its blocks are freed.
             stream.close()
 
+    def forget_request(self, request_id: str) -> None:
+        """Stop routing outputs of `request_id` (its stream has read its finished output); unknown ids are ignored."""
+        self._queues.pop(request_id, None)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort running requests (unknown ids are ignored); frees their blocks in the core."""
         ids = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]

@@ -132,7 +132,7 @@ class OutputStream:
     def _take(self, out: RequestOutput) -> RequestOutput:
         if out.finished:
             self.unfinished.discard(out.request_id)
-            self._llm._queues.pop(out.request_id, None)
+            self._llm.forget_request(out.request_id)
         return out
 
     def close(self) -> None:

@@ -109,7 +109,8 @@ class CUDAGraphRunner:
         block_table: the persistent device block table [max_num_reqs, max_blocks] int32.
         kv_caches, attn_backend: what the forward context hands the attention layers.
         sizes: decode capture sizes, ascending (see `capture_sizes`).
-        max_model_len: longest sequence (fixes the kernel's split count at capture).
+        max_model_len: the longest sequence a graph replays (the runner's graph_max_seq_len); the decode graphs'
+            split counts are fixed at capture for min(it, LONG_DECODE_SEQ), and for it in the long graphs.
         block_table_swa: with a sliding-window KV group, its persistent device block table (and
             buffers["slot_mapping_swa"] its slots); None with one group.
         mixed_sizes: token counts of the mixed-step graphs, ascending (`mixed_capture_sizes`; [] = none).

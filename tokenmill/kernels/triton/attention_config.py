@@ -20,7 +20,8 @@ DECODE_MAX_QUERY_LEN = 4
 # small batches twice, for sequences up to it and for longer ones (worker/cuda_graph.py).
 LONG_DECODE_SEQ = 16384
 # Prefill steps with a request adding at least this many tokens take 128 x 128 tiles on 8 warps where
-# `choose_launch_config(..., large_tiles=True)` (cc >= 9.0, head_dim <= 128: 96 KiB of shared memory).
+# `choose_launch_config(..., large_tiles=True)`: cc >= 9.0 and 16-bit queries (96 KiB of shared memory at
+# head_dim <= 128; float32 queries would need 256 KiB, past the H100/H200's 227).
 LONG_PREFILL_QUERY = 8192
 
 
@@ -61,7 +62,7 @@ def choose_launch_config(
     BLOCK_N shrinks for head_dim 256 to keep the fp32 accumulator and K/V tiles
     in registers. `num_stages` comes from the platform (1 on sm_70, which has
     no cp.async). block_m, block_n, num_warps: overrides (tests, tuning).
-    `large_tiles` (the caller's device has cc >= 9.0): steps with a request of
+    `large_tiles` (the caller's device has cc >= 9.0, the queries are 16-bit): steps with a request of
     >= LONG_PREFILL_QUERY new tokens and head_dim <= 128 take 128 x 128 tiles
     on 8 warps; on the H200 the last 16,384-token chunk of a 126k prompt took
     89.7 ms of attention a layer with them against 100.1 ms with 64 x 64 on 4

@@ -81,9 +81,10 @@ max(m, sink) first; with splits each split leaves its plain partial result
 and `merge_splits` adds the sink once, as one more split with o = 0.
 
 fp8 KV cache (`--kv-cache-dtype fp8*`): the kernel loads the cache's uint8
-bits and decodes each K/V tile exactly into the query's dtype
-(`triton/kv_fp8.decode_kv`, integer bit operations, so cc 7.0 and the
-interpreter run it too). The layer's scales are folded in on the host:
+bits and decodes each K/V tile exactly into float16 (`triton/kv_fp8.decode_kv`:
+integer bit operations below cc 8.9, so cc 7.0 and the interpreter run it too;
+conversion instructions from cc 8.9, KV_NATIVE), then into the query's dtype
+(float32 queries) or not at all (float16; bfloat16 with Q_F16, below). The layer's scales are folded in on the host:
 the score scale becomes scale * k_scale * unit and the output is multiplied
 by v_scale * unit before the division by l (unit = 256 for e4m3's bit decode,
 1 for e5m2), so dots run on the fp8 values themselves and the result equals

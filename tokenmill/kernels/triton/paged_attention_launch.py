@@ -28,6 +28,7 @@ from tokenmill.kernels.triton.splitk import device_facts
 # decode everywhere (A/B timing: benchmarks/gpu/sweep_tiles.py --fp8).
 FP8_NATIVE = True
 
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -113,7 +114,7 @@ def paged_attention(
     qpk = num_heads // num_kv_heads
     cfg = choose_launch_config(
         max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps,
-        large_tiles=query.is_cuda and device_facts(query.device)[0] >= (9, 0),
+        large_tiles=query.is_cuda and query.element_size() == 2 and device_facts(query.device)[0] >= (9, 0),
     )
     if num_splits is None:
         num_splits = choose_num_splits(query.device, max_query_len, num_reqs, num_kv_heads, max_seq_len)

@@ -96,8 +96,10 @@ class TcTiles(NamedTuple):
 
 
 # The tile table, by M: (largest M, TcTiles); BLOCK_K is lowered to divide the group size. A guess from the
-# sm_90a compile (module docstring: conflict-free word reads; C7515, so overlap comes from 5 / 2 CTAs per SM),
-# not yet timed: `benchmarks/gpu/large_m_paths.py` times candidates and prints a replacement for this table.
+# sm_90a compile (module docstring: conflict-free word reads; C7515, so overlap comes from 5 / 2 CTAs per SM).
+# Timed on the H200 in session 13 (`benchmarks/gpu/large_m_paths.py`), the fastest tiles were others (128 x 64 x
+# 64 gather / shared up to M = 512, 256 x 128 x 64 gather / register above), but every tile lost to dequantize +
+# cuBLAS, so the kernel is off (quant_linear.TC_M_MAX) and this table is left as it was.
 TC_TILES: tuple[tuple[int, TcTiles], ...] = (
     (128, TcTiles(64, 64, 32, 4, 4, "index")),
     (1 << 62, TcTiles(128, 128, 32, 8, 3, "index")),
