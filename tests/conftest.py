@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,24 +26,40 @@ if not torch.cuda.is_available():
 # compile subprocess, transformers' SmolLM2 reference, and the Gemma 3 GGUF (its package assembles the file
 # in place in a shared cache folder: two workers at once could read a half-written file). xdist's own
 # `xdist_group` marker does not group under pytest 9.2, which no longer reads the node id xdist rewrites.
+# Groups start in `_group_order`: those whose files are marked slow or e2e (servers, real models, subprocesses:
+# the costly ones) first, so no worker starts one while the other is left with nothing to do.
 SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2", "gemma3_gguf")
+_COSTLY_MARK = re.compile(r"mark\.(slow|e2e)\b")
 
 
-def _file_group(path: str, rootdir: str, cache: dict[str, str]) -> str:
+def _file_group(path: str, rootdir: str, cache: dict[str, tuple[str, bool]]) -> str:
     """The scheduling unit of test file `path` (relative to `rootdir`): the first shared session fixture its
-    source names, else the file itself."""
+    source names, else the file itself. Also notes in `cache` whether the file is marked slow or e2e."""
     if path not in cache:
         try:
             text = Path(rootdir, path).read_text(encoding="utf-8")
         except OSError:
             text = ""
-        cache[path] = next((f for f in SHARED_SESSION_FIXTURES if f in text), path)
-    return cache[path]
+        cache[path] = (next((f for f in SHARED_SESSION_FIXTURES if f in text), path),
+                       _COSTLY_MARK.search(text) is not None)
+    return cache[path][0]
+
+
+def _group_order(groups: dict[str, dict], cache: dict[str, tuple[str, bool]]) -> list[str]:
+    """The groups of `groups` (group -> its tests) in the order they start: most files marked slow or e2e
+    first (each such file starts a server, a real model or a subprocess), then most tests first (xdist's
+    own order). Stable for equal keys."""
+    costly = {g: 0 for g in groups}
+    for group, is_costly in cache.values():
+        if group in costly:
+            costly[group] += is_costly
+    return sorted(groups, key=lambda g: (-costly[g], -len(groups[g])))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no error where xdist is absent
 def pytest_xdist_make_scheduler(config, log):
-    """With `--dist loadfile`, schedule by `_file_group` instead of by file (pytest-xdist's hook)."""
+    """With `--dist loadfile`, schedule by `_file_group` instead of by file, in `_group_order`
+    (pytest-xdist's hook)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -50,8 +67,18 @@ def pytest_xdist_make_scheduler(config, log):
     rootdir, cache = str(config.rootpath), {}
 
     class FileGroupScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return _file_group(nodeid.split("::", 1)[0], rootdir, cache)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first assignment: the work queue is complete, put it in _group_order
+                self.ordered = True
+                queue = dict(self.workqueue)
+                self.workqueue.clear()
+                self.workqueue.update((g, queue[g]) for g in _group_order(queue, cache))
+            super()._assign_work_unit(node)
 
     return FileGroupScheduling(config, log)
 
