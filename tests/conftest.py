@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 # the costly ones) first, so no worker starts one while the other is left with nothing to do.
 # Each entry: the names whose files form one group (the first name is the group's).
 SHARED_SESSION_FIXTURES = (("prod_server", "trusting_servers"), ("agent_server",), ("compiled_kernels",),
-                           ("hf_smollm2",), ("gemma3_gguf",))
+                           ("hf_smollm2", "smollm2_llm"), ("gemma3_gguf",))
 _COSTLY_MARK = re.compile(r"mark\.(slow|e2e)\b")
 
 
@@ -140,9 +140,9 @@ def hf_smollm2(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf):
     """tokenmill's `LLM` on the bundled SmolLM2 (float32, max_model_len 256, 128 MB of KV cache in 16-token
-    blocks, 16 sequences, seed 0), built once per worker (~10-20 s on 2 cores) for test_llm_parity.py and
-    frontend/test_llm_request_fields.py (one worker: both name `hf_smollm2`). A test that swaps its scheduler
-    puts a default one back when its module ends (test_llm_parity.py)."""
+    blocks, 16 sequences, seed 0), built once per worker (~10-20 s on 2 cores) for test_llm_parity.py,
+    frontend/test_llm_request_fields.py and prefix_caching/test_real_model.py (one worker: the hf_smollm2
+    group). A module whose tests swap its scheduler puts a default one back when it ends."""
     from tokenmill import LLM
 
     llm = LLM(smollm2_gguf, dtype="float32", max_model_len=256, kv_cache_memory_bytes="128M", block_size=16,
