@@ -35,6 +35,8 @@ Commands (repository root, one H200; `--json-out FILE` writes the numbers):
     python benchmarks/gpu/offline_bench.py --part tpot
     python benchmarks/gpu/offline_bench.py --part offline --config benchmarks/configs/qwen3-30b-a3b.json --hf-prompts 0
     python benchmarks/gpu/offline_bench.py --part offline --force-cc70      # fp16, V100 code paths, no baseline
+    python benchmarks/gpu/offline_bench.py --part prefill                   # 16 x 32k prompts, 1 token each: prompt tok/s
+    python benchmarks/gpu/offline_bench.py --part tpot --tpot-input 126000 --tpot-output 64 --max-model-len 131072
 
 Without a .git in the copy, pass `--git-commit SHA` to record the commit.
 `--hf-prompts 0` / `--skip-tokenmill` split a part into two shorter runs.
@@ -60,7 +62,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = ROOT / "benchmarks" / "configs" / "llama-3.1-8b.json"
-PART_DEFAULTS = {"offline": {"num_prompts": 1000, "hf_prompts": 200}, "short": {"num_prompts": 256}, "tpot": {}}
+PART_DEFAULTS = {"offline": {"num_prompts": 1000, "hf_prompts": 200}, "short": {"num_prompts": 256}, "tpot": {},
+                 "prefill": {"num_prompts": 16}}
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, requested output tokens) per prompt
 
@@ -394,6 +397,23 @@ def part_throughput(args: argparse.Namespace, vocab: int, report: dict[str, Any]
             report["ratio"] = report["tokenmill"]["output_tok_s"] / report["hf"]["output_tok_s"]
 
 
+def part_prefill(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> None:
+    """--part prefill: --num-prompts prompts of --prefill-len tokens, one output token each; prompt tokens per second.
+
+    Issue 24's long-prompt prefill figure (16 x 32k). One warm-up prompt of the same length compiles the kernels
+    first. The time is that of one `LLM.generate` over all prompts (chunked prefill by the engine's token budget).
+    """
+    workload = make_workload(args.num_prompts, (args.prefill_len,) * 2, (1, 1), vocab, args.seed)
+    warmup = make_workload(1, (args.prefill_len,) * 2, (1, 1), vocab, args.seed + 1)
+    report["workload"] = {"num_prompts": len(workload), "input_len": [args.prefill_len] * 2, "output_len": [1, 1],
+                          "warmup_prompts": 1, "seed": args.seed}
+    result = run_tokenmill(args, workload, [warmup])
+    result["prompt_tok_s"] = result["input_tokens"] / result["elapsed_s"]
+    print(f"prefill: {result['input_tokens']} prompt tokens in {result['elapsed_s']:.2f} s = "
+          f"{result['prompt_tok_s']:.0f} prompt tok/s", flush=True)
+    report["tokenmill"] = result
+
+
 def part_tpot(args: argparse.Namespace, vocab: int, report: dict[str, Any]) -> None:
     """--part tpot: one request alone; TTFT, TPOT, execute_model span and GPU kernel time per decode step."""
     from tokenmill import SamplingParams
@@ -579,6 +599,12 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"first step of a fresh {tm['prompt_tokens']}-token prompt under the profiler: "
               f"{_fmt(tm.get('ttft_profiled_ms'))} ms wall, {_fmt(tm.get('ttft_gpu_kernel_ms'))} ms of GPU activity")
         return
+    if report["part"] == "prefill":
+        print("| prompts | tokens each | seconds | prompt tok/s | steps |")
+        print("|---:|---:|---:|---:|---:|")
+        print(f"| {tm['num_prompts']} | {report['workload']['input_len'][0]} | {tm['elapsed_s']:.2f} | "
+              f"{tm['prompt_tok_s']:.0f} | {tm['num_steps']} |")
+        return
     print("| engine | prompts | output tokens | seconds | output tok/s | steps | mean batch |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     if tm:
@@ -612,6 +638,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-len", type=int, default=100, help="offline: shortest input/output length")
     ap.add_argument("--max-len", type=int, default=1024, help="offline: longest input/output length")
     ap.add_argument("--short-len", type=int, default=128, help="short: input and output length")
+    ap.add_argument("--prefill-len", type=int, default=32768, help="prefill: tokens per prompt")
     ap.add_argument("--tpot-input", type=int, default=1024)
     ap.add_argument("--tpot-output", type=int, default=256)
     ap.add_argument("--profile-steps", type=int, default=16, help="tpot: decode steps under torch.profiler")
@@ -658,6 +685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.hf_prompts = 0
     if args.dtype is None:
         args.dtype = "float16" if args.force_cc70 else "bfloat16"
+    if args.part == "prefill":
+        args.max_model_len = max(args.max_model_len, args.prefill_len + 1)
     return args
 
 
@@ -691,6 +720,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.part == "tpot":
         part_tpot(args, vocab, report)
+    elif args.part == "prefill":
+        part_prefill(args, vocab, report)
     else:
         part_throughput(args, vocab, report)
     report["wall_s"] = time.perf_counter() - t0

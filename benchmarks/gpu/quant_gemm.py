@@ -84,15 +84,15 @@ def quant_bytes(n: int, k: int, bits: int, group: int, zeros: bool) -> int:
     return n * -(-k // (32 // bits)) * 4 + n * ngroups * 2 + (n * ngroups if zeros else 0)
 
 
-def random_w4(n: int, k: int, dtype: torch.dtype, experts: int | None = None):
-    """Random 4-bit group-128 weight with zero points, made on the GPU (random words: every nibble uniform)."""
+def random_w4(n: int, k: int, dtype: torch.dtype, experts: int | None = None, device: str = "cuda"):
+    """Random 4-bit group-128 weight with zero points, made on `device` (random words: every nibble uniform)."""
     from tokenmill.kernels.quant_pack import QuantTensors
 
     lead = () if experts is None else (experts,)
     ng = -(-k // 128)
-    qweight = torch.randint(-2**31, 2**31 - 1, (*lead, n, -(-k // 8)), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(*lead, n, ng, device="cuda") * 0.01 + 0.001).to(dtype)
-    qzeros = torch.randint(0, 16, (*lead, n, ng), dtype=torch.uint8, device="cuda")
+    qweight = torch.randint(-2**31, 2**31 - 1, (*lead, n, -(-k // 8)), dtype=torch.int32, device=device)
+    scales = (torch.rand(*lead, n, ng, device=device) * 0.01 + 0.001).to(dtype)
+    qzeros = torch.randint(0, 16, (*lead, n, ng), dtype=torch.uint8, device=device)
     return QuantTensors(qweight, scales, qzeros, None, 4, 128, k)
 
 

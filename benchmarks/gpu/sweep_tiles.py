@@ -3,6 +3,8 @@
     python benchmarks/gpu/sweep_tiles.py            # the tile sweep
     python benchmarks/gpu/sweep_tiles.py --order    # default tiles, heavy-first vs request-order launch
     python benchmarks/gpu/sweep_tiles.py --mixed    # mixed steps, decodes in their own launch or not
+    python benchmarks/gpu/sweep_tiles.py --long     # long context: a 16k chunk at 110k, decode splits at 126k
+    python benchmarks/gpu/sweep_tiles.py --fp8      # full decode batch: bfloat16 vs fp8 caches
 
 Prints, per shape, every (block_m, block_n, num_warps, num_stages) tried with
 its median time, best first, so `choose_launch_config` defaults can be set
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import triton
 
+import tokenmill.kernels.triton.paged_attention_launch as launch_mod
 from tokenmill.kernels.triton.paged_attention_launch import paged_attention
 
 
@@ -110,7 +113,56 @@ def mixed_ab() -> None:
               flush=True)
 
 
+def long_context() -> None:
+    """Issue 24's long context, attention alone: the last 16,384-token prefill chunk of a 126k prompt (keys
+    110,000 + 16,384) over a prefill tile grid, with TFLOP/s (causal: 4 * q * avg visible keys * heads * d); then
+    one decode at 126k and at 1k context for several split counts (the CUDA graph fixes one for every length)."""
+    q_len, ctx = 16384, 110000
+    res = sweep(f"prefill {q_len} ctx {ctx}", [q_len], ctx, list(itertools.product([64, 128], [64, 128], [4, 8], [2, 3])))
+    flop = 4 * q_len * (ctx + (q_len + 1) / 2) * 32 * 128
+    for ms, bm, bn, nw, ns in res[:4]:
+        print(f"  block_m {bm} block_n {bn} warps {nw} stages {ns}: {flop / (ms * 1e-3) / 1e12:.0f} TFLOP/s", flush=True)
+    for c in (126000, 8192, 1024):
+        q, cache, table, seq_lens, qsl = inputs([1], c)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * (c + 1) * 8 * 128 * 2
+        for splits in (8, 16, 32, 64):
+            for bn in (64, 128):
+                def fn(splits=splits, bn=bn):
+                    paged_attention(q, cache, table, seq_lens, qsl, num_reqs=1, max_query_len=1, max_seq_len=c + 1,
+                                    scale=0.088, out=out, num_splits=splits, block_n=bn)
+                us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
+                print(f"decode 1 x ctx {c:6d} splits {splits:2d} block_n {bn:3d}: {us:8.1f} us  "
+                      f"{kv_bytes / (us * 1e-6) / 1e12:5.2f} TB/s", flush=True)
+
+
+def fp8_ab() -> None:
+    """A full offline decode batch (924 requests at ~900 context, Llama-3.1-8B heads) and a 2048-token prefill:
+    bfloat16 cache vs fp8 e4m3 / e5m2 caches with bfloat16 queries (the kernel picks its fp8 decode itself)."""
+    for name, query_lens, ctx in [("decode 924 x ctx 900", [1] * 924, 900), ("prefill 2048 ctx 0", [2048], 0)]:
+        q, cache, table, seq_lens, qsl = inputs(query_lens, ctx)
+        out = torch.empty_like(q)
+        line = []
+        for dt, native in ((None, True), (torch.float8_e4m3fn, True), (torch.float8_e5m2, True),
+                           (torch.float8_e4m3fn, False)):
+            c = cache if dt is None else (cache * 0.5).to(dt)
+            def fn(c=c, native=native):
+                launch_mod.FP8_NATIVE = native
+                paged_attention(q, c, table, seq_lens, qsl, num_reqs=len(query_lens), max_query_len=max(query_lens),
+                                max_seq_len=ctx + max(query_lens), scale=0.088, out=out, k_scale=2.0, v_scale=2.0)
+            line.append(triton.testing.do_bench_cudagraph(fn, rep=100) * 1000)
+        print(f"{name:24s} bf16 {line[0]:8.1f} us   e4m3 {line[1]:8.1f} us ({line[0] / line[1]:.2f}x)   "
+              f"e5m2 {line[2]:8.1f} us ({line[0] / line[2]:.2f}x)   e4m3 bit decode {line[3]:8.1f} us", flush=True)
+    launch_mod.FP8_NATIVE = True
+
+
 def main() -> None:
+    if "--long" in sys.argv[1:]:
+        long_context()
+        return
+    if "--fp8" in sys.argv[1:]:
+        fp8_ab()
+        return
     if "--order" in sys.argv[1:]:
         order_ab()
         return

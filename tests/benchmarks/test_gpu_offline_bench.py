@@ -91,6 +91,17 @@ def test_tpot_part(bench, common, tmp_path, capsys):
     assert "| 12 | 8 |" in capsys.readouterr().out
 
 
+def test_prefill_part(bench, common, tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    bench.main(["--part", "prefill", *common, "--num-prompts", "3", "--prefill-len", "80", "--json-out", str(out)])
+    data = json.loads(out.read_text())
+    tm = data["tokenmill"]
+    assert data["args"]["max_model_len"] == 81  # raised to fit the prompts (common asks for 64)
+    assert tm["input_tokens"] == 3 * 80 and tm["output_tokens"] == tm["requested_output_tokens"] == 3
+    assert tm["prompt_tok_s"] == pytest.approx(tm["input_tokens"] / tm["elapsed_s"])
+    assert "| 3 | 80 |" in capsys.readouterr().out
+
+
 def test_force_cc70_means_float16_and_no_baseline_unless_asked(bench, monkeypatch):
     monkeypatch.setenv("TOKENMILL_FORCE_CC70", "0")  # restored after the test
     args = bench.parse_args(["--part", "offline", "--force-cc70"])

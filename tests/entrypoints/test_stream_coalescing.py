@@ -1,21 +1,19 @@
 """Streams that fell behind: all queued outputs go out as one chunk per choice, with the same text and counts.
 
 `FakeEngine.ready_group` makes the fake stream hand over several cumulative
-outputs per `next_ready` (as `OutputStream.next_ready` does when its queue
-holds several); the SSE body must carry exactly the tokens, text, logprobs
-and usage of the one-output-at-a-time stream, in fewer chunks.
+outputs per `next_ready` (a consumer that fell behind: `OutputStream` merges
+them into the latest one per request, the fake hands over all of them; the
+handlers must diff against what they sent either way); the SSE body must
+carry exactly the tokens, text, logprobs and usage of the
+one-output-at-a-time stream, in fewer chunks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from fake_engine import fake_completion_text
-
-from tokenmill.frontend.async_llm import OutputStream
-from tokenmill.outputs import CompletionOutput, RequestOutput
 
 
 def _chunks(raw: bytes) -> list[dict]:
@@ -64,36 +62,23 @@ def test_chat_stream_coalesced_keeps_content_and_finish(call, fake_engine):
         assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
-class _Llm:
-    def __init__(self) -> None:
-        self._queues: dict = {}
-        self.aborted: list[str] = []
-
-    def abort_requests(self, ids: list[str]) -> None:
-        self.aborted.extend(ids)
+def _events(raw: bytes) -> list[dict]:
+    return [json.loads(e.split("data: ", 1)[1]) for e in raw.decode().split("\n\n") if "data: " in e]
 
 
-def _out(rid: str, k: int, done: bool = False) -> RequestOutput:
-    return RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * k, list(range(k)),
-                                                           finish_reason="length" if done else None)], done)
-
-
-def test_output_stream_next_ready_takes_the_queue_then_raises_a_queued_error():
-    async def run() -> None:
-        llm = _Llm()
-        stream = OutputStream(llm)  # type: ignore[arg-type]
-        stream.unfinished.update({"r", "s"})
-        llm._queues.update({"r": stream.queue, "s": stream.queue})
-        for item in (_out("r", 1), _out("s", 1), _out("r", 2, done=True), ValueError("bad"), _out("s", 2)):
-            stream.queue.put_nowait(item)
-        first = await stream.next_ready()
-        assert [(o.request_id, len(o.outputs[0].token_ids)) for o in first] == [("r", 1), ("s", 1), ("r", 2)]
-        assert stream.unfinished == {"s"} and "r" not in llm._queues
-        with pytest.raises(ValueError, match="bad"):
-            await stream.next_ready()  # the error queued after those outputs, not before
-        rest = await stream.next_ready()
-        assert [o.request_id for o in rest] == ["s"]
-        stream.close()
-        assert llm.aborted == ["s"]
-
-    asyncio.run(run())
+def test_responses_stream_coalesced_keeps_the_text(call, fake_engine):
+    body = {"input": "hi", "max_output_tokens": 6, "stream": True}
+    runs = {}
+    for group in (1, 4):
+        fake_engine.ready_group = group
+        status, raw = call("POST", "/v1/responses", dict(body))
+        assert status == 200
+        runs[group] = _events(raw)
+    for events in runs.values():
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(deltas) == fake_completion_text(6)
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == fake_completion_text(6)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    count = [sum(e["type"] == "response.output_text.delta" for e in runs[g]) for g in (1, 4)]
+    assert count[1] < count[0]

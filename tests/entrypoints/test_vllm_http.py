@@ -206,6 +206,9 @@ def test_max_seq_len_to_capture_bounds_graph_replay():
     assert Runner.graph_max_seq_len.fget(runner) == 1024
     runner.max_model_len = 512
     assert Runner.graph_max_seq_len.fget(runner) == 512
+    runner.config.device_config.max_seq_len_to_capture = None  # the default: every length replays graphs
+    runner.max_model_len = 131072
+    assert Runner.graph_max_seq_len.fget(runner) == 131072
 
 
 def test_vllm_attention_backend_maps_to_the_device_best(caplog):

@@ -63,16 +63,20 @@ def compile_batch_in_subprocess(scripts: dict[str, str], timeout: int = 900) -> 
 
 
 def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], constexprs: dict, warps: int,
-                       stages: int, ptx_marker: str | None = None, aligned: tuple[str, ...] = ()) -> dict:
+                       stages: int, ptx_marker: str | None = None, aligned: tuple[str, ...] = (),
+                       unit: tuple[str, ...] = ()) -> dict:
     """Compile `kernel` for sm_<cc> (arguments not in `pointers` / `constexprs` are i32) and run the triton
     wheel's `ptxas -v` on its PTX; call it inside `compile_in_subprocess` (no TRITON_INTERPRET).
 
     aligned: arguments marked divisible by 16 (tt.divisibility), as a launch specializes 16-byte aligned
     pointers and multiples of 16; without them (and unit strides given as constexprs) loads stay scalar and
     Triton does not pipeline them through cp.async.
+    unit: integer arguments fixed to 1 as constexprs, as a launch specializes an argument equal to 1 (unit
+    strides): without that the K loop's addressing, and with it registers and spills, differ from the launch's.
 
     Returns: dict(kernel=name, cc, ptx_target (the PTX .target list), cubin_bytes, shared (bytes per block),
-    registers (per thread), spill_bytes), plus ptx_has_marker (bool) when `ptx_marker` is given.
+    registers (per thread), spill_bytes, wgmma_serialized (ptxas C7515: it waits for each wgmma before the
+    next)), plus ptx_has_marker (bool) when `ptx_marker` is given.
     """
     import re
     import tempfile
@@ -82,6 +86,7 @@ def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], con
     from triton.backends.nvidia.compiler import get_ptxas
 
     sig = {n: pointers.get(n, "i32") for n in kernel.arg_names}
+    constexprs = {**constexprs, **{n: 1 for n in unit}}
     sig.update({n: "constexpr" for n in constexprs})
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -95,7 +100,8 @@ def compile_with_ptxas(name: str, kernel, cc: int, pointers: dict[str, str], con
                              capture_output=True, text=True, check=True).stderr
     out = dict(kernel=name, cc=cc, ptx_target=target, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
                registers=int(re.search(r"Used (\d+) registers", log).group(1)),
-               spill_bytes=sum(int(b) for b in re.findall(r"(\d+) bytes spill", log)))
+               spill_bytes=sum(int(b) for b in re.findall(r"(\d+) bytes spill", log)),
+               wgmma_serialized="C7515" in log)
     if ptx_marker is not None:
         out["ptx_has_marker"] = ptx_marker in ptx
     return out

@@ -122,6 +122,31 @@ def test_triton_paged_attention_reads_fp8(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_triton_bfloat16_queries_run_float16_dots(dtype):
+    """bfloat16 queries over an fp8 cache: the kernel's Q_F16 path (dots in float16, each query row scaled by a
+    power of two first). Rows of very different magnitudes (x 3e4, x 1e-3) check the per-row scaling: without
+    it the large rows would overflow float16 and the small ones lose their bits."""
+    ctx, ql, h, hkv, d, bs = [0, 37, 5], [9, 1, 4], 4, 2, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch(ctx, ql, num_heads=h, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                             dtype=torch.float32, num_padding_tokens=2, generator=gen)
+    batch.query[:3] *= 3e4  # |q| past float16's 65504: only the per-row power-of-two scaling keeps them finite
+    batch.query[9] *= 1e-3
+    batch.query = batch.query.to(torch.bfloat16)
+    k_scale, v_scale = 0.02, 0.05
+    q8, deq = _quantized(batch, dtype, k_scale, v_scale)
+    scale = d**-0.5
+    out = _triton(batch, q8, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    batch.kv_cache = deq
+    ref = reference_attention(batch, scale=scale)
+    n = ref.shape[0]
+    err = (out[:n].double() - ref).abs().max().item()
+    assert err < 2e-2, f"bfloat16 queries, fp8 cache, vs float64 over the same cache: {err}"
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_triton_cache_write_matches_torch_rounding(dtype):
     """reshape_and_cache writes exactly `quantize_kv`'s bits: subnormals, ties, saturation, both signs."""
     gen = torch.Generator().manual_seed(3)
@@ -220,9 +245,11 @@ def test_cpu_decode_kernel_reads_fp8(require_cpu_kernel, dtype, q_dtype, head_di
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("window", [None, 512])
-def test_cuda_real_sizes_fp8(dtype, window):
-    """Llama-3.1-8B attention shapes (32 heads, 8 KV heads, head_dim 128, block 16), bfloat16 queries:
-    decodes up to 2k keys (split-KV) and prefill chunks, written by reshape_and_cache then read."""
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_real_sizes_fp8(dtype, window, q_dtype):
+    """Llama-3.1-8B attention shapes (32 heads, 8 KV heads, head_dim 128, block 16), 16-bit queries:
+    decodes up to 2k keys (split-KV) and prefill chunks, written by reshape_and_cache then read. On cc >= 8.9
+    the kernel decodes with the fp8 conversion instructions (KV_NATIVE), below with bit operations."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bfloat16 needs cc >= 8.0 (the fp8 path itself is the same bit decode on every GPU)")
     rng = np.random.default_rng(0)
@@ -239,7 +266,7 @@ def test_cuda_real_sizes_fp8(dtype, window):
     reshape_and_cache(key, value, cache, md.slot_mapping, k_scale, v_scale)
     torch.cuda.synchronize()
     assert torch.equal(cache.view(torch.uint8), q8.view(torch.uint8))
-    batch.query = batch.query.to(torch.bfloat16)
+    batch.query = batch.query.to(q_dtype)
     out = _triton(batch, cache, scale=128**-0.5, k_scale=k_scale, v_scale=v_scale, sliding_window=window)
     assert not torch.isnan(out).any()
     original = batch.kv_cache
@@ -247,4 +274,4 @@ def test_cuda_real_sizes_fp8(dtype, window):
     ref = reference_attention(batch, scale=128**-0.5, sliding_window=window)
     batch.kv_cache = original
     err = (out.double().cpu() - ref).abs().max().item()
-    assert err < 2e-2, f"bfloat16 fp8-KV attention vs float64 over the same cache: {err}"
+    assert err < 2e-2, f"{q_dtype} fp8-KV attention vs float64 over the same cache: {err}"

@@ -89,21 +89,27 @@ SCRIPT = textwrap.dedent(
     results.append(compile_one("moe_grouped", grouped_quant_gemm_kernel, 90, bf, dict(moe_cx, CLAMP_FP16=False), 4, 2))
     results.append(compile_one("moe_grouped_ptx", grouped_quant_gemm_kernel, 90, bf,
                                dict(moe_cx, CLAMP_FP16=False, PTX_DEQ=True, ASM=True), 4, 2))
-    # The large-M tensor-core GEMM (quant_gemm_tc.py): both planned tiles, bfloat16, 4-bit with zeros.
+    # The large-M tensor-core GEMM (quant_gemm_tc.py): the planned tiles, bfloat16, 4-bit with zeros; the largest
+    # with the other unpack mode, with the weight tile in shared memory, 8-bit weights and float16 x (its clamp);
+    # float32 x never takes this kernel.
     from tokenmill.kernels.triton.quant_gemm_tc import TC_TILES, quant_gemm_tc_kernel
     tc_ptrs = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    # Also 8-bit weights and float16 x (with its clamp) on the large tile; float32 x never takes this kernel.
     f16 = {n: ("*fp16" if t == "*bf16" else t) for n, t in tc_ptrs.items()}
-    tc_variants = [(f"tc_{bm}x{bn}x{bk}", tc_ptrs, 4, False, bm, bn, bk, warps, stages)
-                   for _, bm, bn, bk, warps, stages in TC_TILES]
-    bm, bn, bk, warps, stages = TC_TILES[-1][1:]
-    tc_variants += [("tc_int8", tc_ptrs, 8, False, bm, bn, bk, warps, stages),
-                    ("tc_fp16", f16, 4, True, bm, bn, bk, warps, stages)]
-    for name, ptrs, bits, clamp, bm, bn, bk, warps, stages in tc_variants:
+    big = TC_TILES[-1][1]
+    other = "index" if big.unpack == "gather" else "gather"
+    tc_variants = [(f"tc_{t.block_m}x{t.block_n}x{t.block_k}", tc_ptrs, 4, False, t) for _, t in TC_TILES]
+    tc_variants += [("tc_" + other, tc_ptrs, 4, False, big._replace(unpack=other)),
+                    ("tc_shared", tc_ptrs, 4, False, big._replace(unpack="gather", operand="shared")),
+                    ("tc_int8", tc_ptrs, 8, False, big), ("tc_fp16", f16, 4, True, big)]
+    for name, ptrs, bits, clamp, t in tc_variants:
         results.append(compile_one(name, quant_gemm_tc_kernel, 90, ptrs,
                                    dict(BITS=bits, HAS_ZEROS=True, HAS_BIAS=False, CLAMP_FP16=clamp, IEEE=False,
-                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages), warps,
-                                   stages, aligned=("x_ptr", "qw_ptr", "stride_xm", "stride_qn", "K")))
+                                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
+                                        NUM_STAGES=t.stages, GATHER=t.unpack == "gather",
+                                        W_IN_REGS=t.operand == "register"), t.warps, t.stages,
+                                   aligned=("x_ptr", "qw_ptr", "out_ptr", "stride_xm", "stride_qn", "stride_om", "K",
+                                            "N"),
+                                   unit=("stride_xk", "stride_qw", "stride_sg", "stride_zg", "stride_on")))
     print(json.dumps(results))
     """
 )
@@ -117,7 +123,7 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels)
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
         ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
-        ("moe_grouped_ptx", 90), ("tc_64x128x32", 90), ("tc_128x128x32", 90),
+        ("moe_grouped_ptx", 90), ("tc_64x64x32", 90), ("tc_128x128x32", 90), ("tc_gather", 90), ("tc_shared", 90),
         ("tc_int8", 90), ("tc_fp16", 90),
     ]
     for r in results:
@@ -128,3 +134,4 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels)
         # The planned tiles fit the register file: no spills to local memory (a spill in a memory-bound
         # kernel costs more HBM traffic than the 4-bit weights save).
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
+

@@ -65,24 +65,36 @@ SCRIPT = textwrap.dedent(
         # (Each sm_70 compile takes seconds: its dots unroll into FMAs.)
         shapes = (((1, 128, 4, 0, 0), (1, 128, 4, 1, 0), (512, 256, 1, 0, 0), (1, 128, 1, 0, 1), (512, 128, 1, 0, 2))
                   if cc == 70
-                  else ((512, 128, 1, 0, 0), (1, 128, 4, 2, 0), (1, 128, 1, 0, 1), (512, 128, 1, 2, 2)))
+                  else ((512, 128, 1, 0, 0), (1, 128, 4, 2, 0), (1, 128, 1, 0, 1), (512, 128, 1, 2, 2),
+                        (16384, 128, 1, 0, 0), (512, 128, 1, 1, 0)))
         for max_q, head_dim, splits, kv_fp8, role in shapes:
             act = "*bf16" if cc == 90 and kv_fp8 else "*fp16"
-            cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages)
+            cfg = choose_launch_config(max_q, 4, head_dim, num_stages=stages, large_tiles=cc == 90)
+            # As launched: fp8 decoded by conversion instructions on sm_90 (integer operations on sm_70), bfloat16
+            # queries over an fp8 cache dot in float16, the head dimension unmasked (head_dim is a power of two).
             cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=True,
-                      DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1, KV_FP8=kv_fp8, HEAVY_FIRST=role != 1,
-                      ROLE=role, DECODE_Q=4 if role == 2 else 0)
+                      HEAD_DIM_PAD=cfg.head_dim_pad, EVEN_D=cfg.head_dim_pad == head_dim, USE_WINDOW=True,
+                      USE_SOFTCAP=True, USE_SINKS=True, DOT_PREC="tf32", NUM_SPLITS=splits, SPLIT_KV=splits > 1,
+                      KV_FP8=kv_fp8, KV_NATIVE=cc == 90 and kv_fp8 > 0, Q_F16=act == "*bf16" and kv_fp8 > 0,
+                      HEAVY_FIRST=role != 1, ROLE=role, DECODE_Q=4 if role == 2 else 0)
             ptrs = {"out_ptr": "*fp32" if splits > 1 else act, "lse_ptr": "*fp32", "q_ptr": act,
                     "kv_cache_ptr": "*u8" if kv_fp8 else act, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                     "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"}
+            # 16-byte aligned pointers and strides that are multiples of 16, as a launch specializes them for
+            # Llama-shaped tensors (the K/V loads vectorize, so Triton can pipeline them).
+            aligned = ("out_ptr", "q_ptr", "kv_cache_ptr", "block_table_ptr", "stride_q_tok", "stride_q_head",
+                       "stride_c_kv", "stride_c_block", "stride_c_slot", "stride_c_head")
+            attrs = {(paged_attention_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
             src = triton.compiler.ASTSource(fn=paged_attention_kernel,
-                                            signature=sig_of(paged_attention_kernel, ptrs, ("scale", "v_scale", "softcap"), cx), constexprs=cx)
+                                            signature=sig_of(paged_attention_kernel, ptrs, ("scale", "v_scale", "softcap"), cx),
+                                            constexprs=cx, attrs=attrs)
             k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg.num_warps, "num_stages": stages})
-            suffix = {0: "", 1: "_e4m3", 2: "_e5m2"}[kv_fp8] + {0: "", 1: "_decode_role", 2: "_prefill_role"}[role]
+            suffix = ({0: "", 1: "_e4m3", 2: "_e5m2"}[kv_fp8] + {0: "", 1: "_decode_role", 2: "_prefill_role"}[role]
+                      + ("_large_tiles" if cfg.block_m == 128 else ""))
             results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}{suffix}", cc=cc,
                                 ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
-                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+                                cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
+                                cp_async="cp.async" in k.asm["ptx"]))
     # Fused elementwise kernels (RMSNorm, RoPE, gated activations): float16 on sm_70
     # (ROUND=1), bfloat16 on sm_90 (ROUND=2); libdevice math on, no fp fusion (as launched).
     for cc in (70, 90):
@@ -134,7 +146,8 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
         ("attention_q1_d128_e4m3", 70), ("attention_q512_d256", 70), ("attention_q1_d128_decode_role", 70),
         ("attention_q512_d128_prefill_role", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
         ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90), ("attention_q1_d128_decode_role", 90),
-        ("attention_q512_d128_e5m2_prefill_role", 90)
+        ("attention_q512_d128_e5m2_prefill_role", 90), ("attention_q16384_d128_large_tiles", 90),
+        ("attention_q512_d128_e4m3", 90)
     ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]
     for r in results:
         want = "sm_70" if r["cc"] == 70 else "sm_90a"
@@ -142,3 +155,7 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
         assert r["cubin_bytes"] > 0, r
         # Shared memory per block: V100 allows 96 KiB, H100/H200 227 KiB.
         assert r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r
+        if r["kernel"].startswith("attention") and r["cc"] == 90:
+            # The K/V tile loads are software-pipelined (cp.async): a head-dim mask Triton cannot prove uniform
+            # made them synchronous element loads before.
+            assert r["cp_async"], r

@@ -14,6 +14,7 @@ from attention_reference import make_paged_batch, reference_attention
 
 from tokenmill.kernels.triton import attention_config as triton_attention_config
 from tokenmill.kernels.triton.attention_config import (
+    AttentionLaunchConfig,
     choose_decode_launch_config,
     choose_launch_config,
     choose_num_splits,
@@ -198,6 +199,15 @@ def test_launch_config_rules():
     assert choose_decode_launch_config(256, choose_launch_config(256, 1, 64), 1, 64, block_n=16).block_n == 16
 
 
+def test_long_prefill_tiles():
+    assert choose_launch_config(8192, 4, 128, large_tiles=True) == AttentionLaunchConfig(32, 4, 128, 128, 8, 2)
+    assert choose_launch_config(8191, 4, 128, large_tiles=True).block_m == 64  # below LONG_PREFILL_QUERY
+    assert choose_launch_config(16384, 4, 128).block_m == 64  # a device without large_tiles (cc < 9.0)
+    assert choose_launch_config(16384, 4, 256, large_tiles=True).block_m == 64  # head_dim 256: registers
+    assert choose_launch_config(16384, 4, 128, num_stages=1, large_tiles=True).block_n == 64  # sm_7x
+    assert choose_launch_config(16384, 4, 128, block_n=32, large_tiles=True).block_n == 32  # overrides win
+
+
 def test_split_count_rules(monkeypatch):
     monkeypatch.setattr(triton_attention_config, "_num_sms", lambda index: 132)  # H100/H200
     cuda = torch.device("cuda", 0)
@@ -207,6 +217,11 @@ def test_split_count_rules(monkeypatch):
     assert choose_num_splits(cuda, 1, 1, 8, 300) == 1  # too short to split
     assert choose_num_splits(cuda, 512, 1, 8, 8192) == 1  # prefill steps never split
     assert choose_num_splits(torch.device("cpu"), 1, 1, 8, 8192) == 1
+    # Past LONG_DECODE_SEQ: four programs an SM, up to 64 splits.
+    assert choose_num_splits(cuda, 1, 1, 8, 16384) == 16
+    assert choose_num_splits(cuda, 1, 1, 8, 16385) == 64  # ceil(528 / 8) = 66, capped
+    assert choose_num_splits(cuda, 1, 4, 8, 126000) == 17  # ceil(528 / 32)
+    assert choose_num_splits(cuda, 1, 80, 8, 126000) == 1  # 640 programs
 
 
 def test_rejects_bad_head_ratio():
@@ -276,3 +291,24 @@ def test_cuda_real_sizes(dtype, head_dim, block_size, window, cap):
                              dtype=dtype, device="cuda", num_padding_tokens=4, generator=gen)
     kw = {"scale": head_dim**-0.5, "sliding_window": window, "logits_soft_cap": cap}
     _check(batch, _run(batch, **kw), atol=2e-2 if dtype == torch.bfloat16 else 4e-3, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_long_prefill_tiles_match_the_default_tiles():
+    """A 9,000-token chunk at 3,000 tokens of context takes the 128 x 128 tiles on cc >= 9.0 (else the default):
+    the same attention as the 64 x 64 tiles, which the reference tests cover, up to bfloat16 rounding."""
+    if not CUDA:
+        pytest.skip("needs a GPU")
+    gen = torch.Generator().manual_seed(0)
+    batch = make_paged_batch([3000], [9000], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                             dtype=torch.bfloat16, device="cuda", generator=gen)
+
+    def run(**kw):
+        return paged_attention(batch.query, batch.kv_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                               num_reqs=1, max_query_len=9000, max_seq_len=12000, scale=128**-0.5,
+                               out=torch.full_like(batch.query, float("nan")), **kw)
+
+    large, small = run(), run(block_m=64, block_n=64, num_warps=4)
+    assert not torch.isnan(large).any()
+    err = (large.float() - small.float()).abs().max().item()
+    assert err < 2e-2, f"128 x 128 tiles vs 64 x 64: {err}"

@@ -114,3 +114,41 @@ def test_pad_mixed_inputs_makes_empty_requests_and_padding_tokens():
         assert (swa.num_reqs, swa.max_query_len, swa.query_start_loc.shape) == (
             graph_md.num_reqs, graph_md.max_query_len, graph_md.query_start_loc.shape)
 
+
+
+def test_long_decode_graphs_for_small_batches(monkeypatch):
+    """Past LONG_DECODE_SEQ small decode batches split their KV more, so they get a second graph (captured for
+    max_model_len) and a step with a longer sequence replays it; shorter steps keep the first."""
+    from tokenmill.kernels.triton import attention_config
+
+    monkeypatch.setattr(attention_config, "_num_sms", lambda index: 132)  # an H200
+    n_buf = 512
+    runner = CUDAGraphRunner(lambda i, p: i, _buffers(n_buf, n_buf), torch.zeros(n_buf, 4, dtype=torch.int32),
+                             [torch.empty(2, 1, 16, 8, 128)], None, capture_sizes(n_buf, 16384),
+                             max_model_len=131072)
+    cuda = torch.device("cuda", 0)  # choose_num_splits only splits on CUDA
+    runner._splits = lambda device, *a: attention_config.choose_num_splits(cuda, *a)
+    assert runner.long_sizes() == [1, 2, 4, 8, 16, 32, 48, 64]  # 8 kv heads: 80 requests fill 4 programs an SM
+    assert runner.metadata(8).max_seq_len == attention_config.LONG_DECODE_SEQ
+    assert runner.metadata(8, long=True).max_seq_len == 131072
+
+    replayed = []
+
+    class FakeGraph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replayed.append(self.name)
+
+    for size in (1, 2, 4):
+        runner.graphs[size], runner.outputs[size] = FakeGraph(f"short{size}"), torch.zeros(size, 3)
+    runner.long_graphs[2], runner.long_outputs[2] = FakeGraph("long2"), torch.ones(2, 3)
+    assert runner.replay(2, max_seq_len=16384).sum() == 0 and replayed[-1] == "short2"
+    assert runner.replay(2, max_seq_len=16385).sum() == 2 * 3 and replayed[-1] == "long2"
+    runner.replay(4, max_seq_len=100000)  # no long graph of that size: the short one (any split count is correct)
+    assert replayed[-1] == "short4"
+    short = CUDAGraphRunner(lambda i, p: i, _buffers(n_buf, n_buf), torch.zeros(n_buf, 4, dtype=torch.int32),
+                            [torch.empty(2, 1, 16, 8, 128)], None, capture_sizes(n_buf, 16384), max_model_len=8192)
+    short._splits = runner._splits
+    assert short.long_sizes() == [] and short.metadata(8).max_seq_len == 8192

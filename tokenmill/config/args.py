@@ -61,7 +61,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
-    max_seq_len_to_capture: int = 8192
+    max_seq_len_to_capture: int | None = None  # None: max_model_len (graphs at every length, as vLLM V1)
     # parallel
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -156,7 +156,7 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
                        help="Steps (decode or mixed) whose longest sequence is above this run eagerly, not in a "
-                            "CUDA graph.")
+                            "CUDA graph (default: max_model_len, so every length replays graphs).")
         g = parser.add_argument_group("parallel")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

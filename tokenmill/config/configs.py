@@ -143,8 +143,9 @@ class DeviceConfig:
     device: str = "cpu"  # cpu | cuda
     attention_backend: str | None = None  # TORCH_SDPA | TRITON_ATTN | None (auto)
     enforce_eager: bool = False
-    # Steps (decode or mixed) whose longest sequence is longer than this run eagerly (vLLM's max_seq_len_to_capture).
-    max_seq_len_to_capture: int = 8192
+    # Steps (decode or mixed) whose longest sequence is longer than this run eagerly (vLLM's max_seq_len_to_capture);
+    # None: max_model_len. The graphs read the context lengths from device buffers, so one capture serves any length.
+    max_seq_len_to_capture: int | None = None
     # Simulate a compute-capability-7.0 GPU (fp16 only, no flash SDPA, sm_70
     # Triton paths) on any CUDA device: env TOKENMILL_FORCE_CC70=1.
     force_cc70: bool = False

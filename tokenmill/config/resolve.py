@@ -146,7 +146,7 @@ def _validate_args(args: EngineArgs, usage: str) -> None:
     if args.tokenizer_mode not in ("auto", "hf", "slow"):
         raise ValueError(f"--tokenizer-mode {args.tokenizer_mode} is not supported; use auto (the fast Hugging Face "
                          "tokenizer) or slow.")
-    if args.max_seq_len_to_capture < 1:
+    if args.max_seq_len_to_capture is not None and args.max_seq_len_to_capture < 1:
         raise ValueError(f"--max-seq-len-to-capture must be >= 1, got {args.max_seq_len_to_capture}.")
     kv_cache_dtype(args.kv_cache_dtype, torch.float32)  # an unknown name fails here, before anything loads
     if args.long_prefill_token_threshold < 0:

@@ -2,20 +2,20 @@
 
     HTTP handler --generate()--> AsyncLLM (this process)          core process
                                  tokenize + InputProcessor  --ADD-->  EngineCore.step()
-    async iterator <-- queue <-- OutputProcessor (detokenize,  <--OUTPUTS--
+    async iterator <-- stream <- OutputProcessor (detokenize,  <--OUTPUTS--
                                  stop strings, logprobs)       --ABORT--> (stop strings,
                                                                           disconnects)
 
 Tokenizing and detokenizing stay here so the core's loop only schedules and
-runs the model. Each request has an `asyncio.Queue` of `RequestOutput`s
-filled by the client's reader task; `generate()` drains it. Cancelling the
-consumer (a client disconnect) aborts the request in the core, which frees
-its KV blocks.
+runs the model. Each request's outputs go to an `OutputStream`
+(output_stream.py), filled by the client's reader task, which holds at most
+one pending (merged) output per request however slowly its consumer reads;
+`generate()` drains it. Cancelling the consumer (a client disconnect) aborts
+the request in the core, which frees its KV blocks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from tokenmill.core.request import RequestStatus
 from tokenmill.engine.messages import EngineCoreOutputs, MessageKind, SchedulerStats
 from tokenmill.frontend.core_client import EngineCoreClient, EngineDeadError, ServerShuttingDownError
 from tokenmill.frontend.input_processor import get_prompt_text
+from tokenmill.frontend.output_stream import OutputStream
 from tokenmill.frontend.parallel_sampling import make_child_requests
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ class AsyncLLM:
         # --enable-log-requests: one INFO line per request (prompt cut to max_log_len characters / token ids).
         self.log_requests = False
         self.max_log_len: int | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, OutputStream] = {}  # user request id -> its stream, until its finished output is read
         # Core requests updated by the OUTPUTS messages read since the last `_flush_outputs`
         # (see EngineCoreClient.start_reader: one output per request per batch of messages).
         self._touched: dict[str, RequestState] = {}
@@ -162,7 +163,9 @@ class AsyncLLM:
         """Validate and submit one request; its outputs go to `stream` (a new one if None).
 
         Several requests may share a stream (n > 1 fan-out, batched prompts):
-        iterating it yields their `RequestOutput`s interleaved, in arrival order.
+        iterating it yields their `RequestOutput`s interleaved, in arrival
+        order; an output not read before the next one arrives is merged into
+        it (`OutputStream`), so a slow reader skips intermediate snapshots.
 
         Raises:
             ValueError: the request is invalid (too long, bad parameters,
@@ -188,8 +191,8 @@ class AsyncLLM:
         prompt_text = get_prompt_text(prompt)
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index)
-        self._queues[request_id] = stream.queue
-        stream.unfinished.add(request_id)
+        self._queues[request_id] = stream
+        stream.add(request_id, request.sampling_params.output_kind)
         try:
             for child in children:
                 self.client.add_request(child)
@@ -246,11 +249,11 @@ class AsyncLLM:
         Their consumers get `ServerShuttingDownError(reason)` (HTTP 503, or an
         error event in a stream) instead of waiting forever.
         """
-        queues = {id(q): q for q in self._queues.values()}
+        streams = {id(s): s for s in self._queues.values()}
         ids = list(self._queues)
         self.abort_requests(ids)
-        for queue in queues.values():
-            queue.put_nowait(ServerShuttingDownError(reason))
+        for stream in streams.values():
+            stream.put_error(ServerShuttingDownError(reason))
         return len(ids)
 
     @property
@@ -272,16 +275,16 @@ class AsyncLLM:
             core_id, message = obj
             state = self.output_processor.request_states.get(core_id)
             user_id = state.parent.request_id if state is not None and state.parent is not None else core_id
-            queue = self._queues.get(user_id)
+            stream = self._queues.get(user_id)
             self.abort_requests([user_id])  # its other children too
-            if queue is not None:
-                queue.put_nowait(ValueError(message))
+            if stream is not None:
+                stream.put_error(ValueError(message))
         elif kind == MessageKind.FATAL:
-            # Shared queues appear once per request; one error each is enough.
-            queues = {id(q): q for q in self._queues.values()}
+            # Shared streams appear once per request; one error each is enough.
+            streams = {id(s): s for s in self._queues.values()}
             self._queues.clear()
-            for queue in queues.values():
-                queue.put_nowait(EngineDeadError(f"The engine core died: {obj}"))
+            for stream in streams.values():
+                stream.put_error(EngineDeadError(f"The engine core died: {obj}"))
         else:
             logger.warning("front end ignores engine-core message %r", kind)
 
@@ -300,15 +303,19 @@ class AsyncLLM:
             observer.observe_processed(seen)
 
     def _flush_outputs(self) -> None:
-        """Send one `RequestOutput` per updated request to its stream; stop string-finished requests in the core."""
+        """Send one `RequestOutput` per updated request to its stream; stop string-finished requests in the core.
+
+        A stream whose consumer has not read the request's previous output
+        merges the two (`OutputStream.put`), so it never holds more than one.
+        """
         touched, to_stop = self._touched, self._to_stop
         try:
             if touched:
                 self._touched = {}
                 for out in self.output_processor.make_outputs(touched):
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    stream = self._queues.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
         finally:  # even if building outputs failed: the core must free what stop strings finished
             if to_stop:
                 self._to_stop = []
@@ -318,68 +325,3 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the core process (idempotent)."""
         self.client.shutdown()
-
-
-class OutputStream:
-    """The outputs of one or more requests, as an async iterator of `RequestOutput`.
-
-    Iteration ends when every request in it has finished. `close()` aborts
-    the unfinished ones (call it in a `finally`). An error for any request
-    (`ValueError` from the core, `EngineDeadError`) is raised from `__anext__`.
-    """
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self._llm = llm
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.unfinished: set[str] = set()
-        self._error: BaseException | None = None  # taken from the queue by `next_ready`, raised by the next call
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self.unfinished:
-            raise StopAsyncIteration
-        return self._take(await self._get())
-
-    async def next_ready(self) -> list[RequestOutput]:
-        """Wait for the next output, then also take every output already queued behind it (in order).
-
-        A stream consumer that fell behind (a slow client, a busy event loop)
-        gets all its pending outputs at once and can send them as one chunk.
-        Raises StopAsyncIteration when every request has finished, and a
-        queued error (`ValueError`, `EngineDeadError`) once the outputs
-        queued before it were returned.
-        """
-        if not self.unfinished:
-            raise StopAsyncIteration
-        queue = self.queue
-        outs = [self._take(await self._get())]
-        while self.unfinished and not queue.empty():
-            item = queue.get_nowait()
-            if isinstance(item, BaseException):
-                self._error = item  # raised by the next call, after the outputs queued before it
-                break
-            outs.append(self._take(item))
-        return outs
-
-    async def _get(self) -> RequestOutput | BaseException:
-        error = self._error
-        if error is not None:
-            self._error = None
-            return error
-        return await self.queue.get()
-
-    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            self.unfinished.discard(item.request_id)
-            self._llm._queues.pop(item.request_id, None)
-        return item
-
-    def close(self) -> None:
-        """Abort every request of this stream that has not finished (idempotent)."""
-        if self.unfinished:
-            self._llm.abort_requests(sorted(self.unfinished))
-            self.unfinished.clear()

@@ -14,8 +14,12 @@ Capture sizes follow the issue: 1, 2, 4, 8, then steps of 16 up to
 min(max_num_seqs, max_num_batched_tokens, 512), plus that cap itself.
 
 Launch parameters that the Triton attention kernel would otherwise take
-from the batch (the flash-decoding split count) are fixed at capture for
-`max_model_len`; any split count is correct for any context length.
+from the batch (the flash-decoding split count) are fixed at capture; any
+split count is correct for any context length. Decode graphs are captured
+for sequences up to min(max_model_len, LONG_DECODE_SEQ) and, for the small
+batch sizes whose split count differs past it (`choose_num_splits`: up to
+64 splits instead of 16), a second time for max_model_len; a step whose
+longest sequence is longer than LONG_DECODE_SEQ replays the second.
 Mixed steps (prefill chunks, alone or beside decodes; TOKENMILL_MIXED_CUDA_GRAPHS,
 default on) of `t <= MIXED_MAX_TOKENS` tokens replay the graph captured for
 the smallest mixed size `S >= t` (`mixed_capture_sizes`). An eager forward
@@ -133,6 +137,13 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Decode graphs for steps with a sequence past LONG_DECODE_SEQ (more KV splits; module docstring).
+        self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        from tokenmill.kernels.triton import attention_config  # Triton: CUDA runs only (kernels/__init__.py)
+
+        self._splits = attention_config.choose_num_splits
+        self.long_seq = attention_config.LONG_DECODE_SEQ
+        self.long_outputs: dict[int, torch.Tensor] = {}
         self.mixed_sizes = list(mixed_sizes or [])
         self.max_reqs = block_table.shape[0]  # block-table rows (max_num_seqs)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -143,13 +154,15 @@ class CUDAGraphRunner:
         # 1..max_size+1 as int32, to write padding requests' query_start_loc without a host copy.
         self._arange = torch.arange(sizes[-1] + 2, dtype=torch.int32, device=device)
 
-    def metadata(self, size: int) -> AttentionMetadata:
-        """The attention metadata a graph of `size` decodes is captured with (views of the buffers)."""
+    def metadata(self, size: int, long: bool = False) -> AttentionMetadata:
+        """The attention metadata a graph of `size` decodes is captured with (views of the buffers); its
+        max_seq_len, which sets the kernel's split count, is min(max_model_len, LONG_DECODE_SEQ), or
+        max_model_len for a `long` graph."""
         return AttentionMetadata(
             num_actual_tokens=size,
             num_reqs=size,
             max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=self.max_model_len if long else min(self.max_model_len, self.long_seq),
             query_start_loc=self.buf["query_start_loc"][: size + 1],
             seq_lens=self.buf["seq_lens"][:size],
             block_table=self.block_table[:size],
@@ -165,6 +178,15 @@ class CUDAGraphRunner:
             return None
         return replace(md, block_table=self.block_table_swa[: md.num_reqs],
                        slot_mapping=self.buf["slot_mapping_swa"][: md.num_actual_tokens])
+
+    def long_sizes(self) -> list[int]:
+        """The decode sizes that also get a graph for sequences past LONG_DECODE_SEQ: those whose split count
+        (for the first KV cache's kv heads) differs there; none when max_model_len <= LONG_DECODE_SEQ."""
+        if self.max_model_len <= self.long_seq or not self.kv_caches:
+            return []
+        device, kv_heads = self.buf["input_ids"].device, self.kv_caches[0].shape[-2]
+        return [s for s in self.sizes if self._splits(device, 1, s, kv_heads, self.max_model_len)
+                != self._splits(device, 1, s, kv_heads, self.long_seq)]
 
     def mixed_reqs(self, size: int) -> int:
         """R of the mixed graph of `size` tokens: the requests it is captured for (a step has at most one per
@@ -239,25 +261,34 @@ class CUDAGraphRunner:
         for size in reversed(self.sizes):
             self.pad_decode_inputs(0, size)
             self.graphs[size], self.outputs[size] = self._capture_one(size, self.metadata(size), pool)
+        long_sizes = self.long_sizes()
+        for size in reversed(long_sizes):
+            self.pad_decode_inputs(0, size)
+            self.long_graphs[size], self.long_outputs[size] = self._capture_one(size, self.metadata(size, True), pool)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         mixed = (f" and {len(self.mixed_sizes)} for mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} "
                  "tokens" if self.mixed_sizes else "")
-        logger.info("Captured %d CUDA graphs for decode batches of %d..%d requests%s in %.1f s (%.2f GiB)",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], mixed, time.perf_counter() - start,
+        long = (f" (and {len(long_sizes)} of {long_sizes[0]}..{long_sizes[-1]} requests for sequences past "
+                f"{self.long_seq} tokens)" if long_sizes else "")
+        logger.info("Captured %d CUDA graphs for decode batches of %d..%d requests%s%s in %.1f s (%.2f GiB)",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], long, mixed, time.perf_counter() - start,
                     used / 2**30)
 
     def release(self) -> None:
         """Drop the graphs (their memory pool), outputs and references to the model and KV cache."""
         self.graphs.clear()
         self.outputs.clear()
+        self.long_graphs.clear()
+        self.long_outputs.clear()
         self.mixed_graphs.clear()
         self.mixed_outputs.clear()
         self.kv_caches = []
         self.forward = None  # type: ignore[assignment]
 
-    def replay(self, num_reqs: int) -> torch.Tensor | None:
-        """Run the decode step of `num_reqs` requests (rows [0, num_reqs) already in the buffers).
+    def replay(self, num_reqs: int, max_seq_len: int = 0) -> torch.Tensor | None:
+        """Run the decode step of `num_reqs` requests (rows [0, num_reqs) already in the buffers) whose longest
+        sequence is `max_seq_len` tokens (past LONG_DECODE_SEQ: the long graph of the size, if there is one).
 
         Returns hidden states [num_reqs, H] (a view of the graph's output,
         valid until the next replay), or None when no captured size fits.
@@ -265,10 +296,13 @@ class CUDAGraphRunner:
         size = padded_size(self.sizes, num_reqs)
         if size is None or size not in self.graphs:
             return None
+        graphs, outputs = self.graphs, self.outputs
+        if max_seq_len > self.long_seq and size in self.long_graphs:
+            graphs, outputs = self.long_graphs, self.long_outputs
         self.pad_decode_inputs(num_reqs, size)
-        self.graphs[size].replay()
+        graphs[size].replay()
         self.num_replays += 1
-        return self.outputs[size][:num_reqs]
+        return outputs[size][:num_reqs]
 
     def replay_mixed(self, num_reqs: int, num_tokens: int) -> torch.Tensor | None:
         """Run a step of `num_tokens` tokens from `num_reqs` requests, some of them prefill chunks (their rows

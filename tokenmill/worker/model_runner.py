@@ -229,7 +229,8 @@ class ModelRunner:
     def graph_max_seq_len(self) -> int:
         """The longest sequence a step (decode or mixed) may have to replay a CUDA graph (vLLM's
         max_seq_len_to_capture)."""
-        return min(self.max_model_len, self.config.device_config.max_seq_len_to_capture)
+        cap = self.config.device_config.max_seq_len_to_capture
+        return self.max_model_len if cap is None else min(self.max_model_len, cap)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need CUDA, the TRITON_ATTN backend, one pipeline stage and no --enforce-eager."""
@@ -274,7 +275,7 @@ class ModelRunner:
         # A graph is captured for sequences up to graph_max_seq_len (--max-seq-len-to-capture); longer runs eagerly.
         if self.cuda_graphs is not None and md.max_seq_len <= self.graph_max_seq_len:
             if md.max_query_len == 1:
-                hidden = self.cuda_graphs.replay(md.num_reqs)
+                hidden = self.cuda_graphs.replay(md.num_reqs, md.max_seq_len)
             else:
                 hidden = self.cuda_graphs.replay_mixed(md.num_reqs, md.num_actual_tokens)
         if hidden is None:

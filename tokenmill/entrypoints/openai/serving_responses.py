@@ -38,7 +38,13 @@ from pydantic import ValidationError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, to_chat_body
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, parser_input
-from tokenmill.entrypoints.openai.serving_engine import Submission, finish_reason_text, sse, stream_error_body
+from tokenmill.entrypoints.openai.serving_engine import (
+    Submission,
+    finish_reason_text,
+    ready_outputs,
+    sse,
+    stream_error_body,
+)
 
 DEFAULT_MAX_STORED = 1024
 
@@ -226,8 +232,10 @@ class OpenAIServingResponses:
             parser = chat_req._output_parser
             streamer = parser.streamer()
             finish = None
-            async for out in sub.stream:
-                for choice, comp in sub.record(out):
+            # All outputs queued at once (a client that fell behind) make one update
+            # from the latest text: the streamer diffs against what it sent.
+            async for outs in ready_outputs(sub.stream):
+                for choice, comp in sub.record_ready(outs):
                     if choice.finished:
                         continue
                     finish = finish_reason_text(comp.finish_reason)

@@ -16,6 +16,12 @@ import triton
 
 # Steps whose longest request adds at most this many tokens are decode steps: 16-row tiles, KV splits allowed.
 DECODE_MAX_QUERY_LEN = 4
+# Decode steps whose longest sequence is longer than this split more (`choose_num_splits`); CUDA graphs capture
+# small batches twice, for sequences up to it and for longer ones (worker/cuda_graph.py).
+LONG_DECODE_SEQ = 16384
+# Prefill steps with a request adding at least this many tokens take 128 x 128 tiles on 8 warps where
+# `choose_launch_config(..., large_tiles=True)` (cc >= 9.0, head_dim <= 128: 96 KiB of shared memory).
+LONG_PREFILL_QUERY = 8192
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +49,7 @@ def choose_launch_config(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    large_tiles: bool = False,
 ) -> AttentionLaunchConfig:
     """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
 
@@ -54,9 +61,19 @@ def choose_launch_config(
     BLOCK_N shrinks for head_dim 256 to keep the fp32 accumulator and K/V tiles
     in registers. `num_stages` comes from the platform (1 on sm_70, which has
     no cp.async). block_m, block_n, num_warps: overrides (tests, tuning).
+    `large_tiles` (the caller's device has cc >= 9.0): steps with a request of
+    >= LONG_PREFILL_QUERY new tokens and head_dim <= 128 take 128 x 128 tiles
+    on 8 warps; on the H200 the last 16,384-token chunk of a 126k prompt took
+    89.7 ms of attention a layer with them against 100.1 ms with 64 x 64 on 4
+    (354 vs 317 TFLOP/s; `benchmarks/gpu/sweep_tiles.py --long`).
     """
     qpk_pad = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if (large_tiles and max_query_len >= LONG_PREFILL_QUERY and head_dim_pad <= 128 and num_stages > 1
+            and qpk_pad <= 128):
+        block_m = 128 if block_m is None else block_m
+        block_n = 128 if block_n is None else block_n
+        num_warps = 8 if num_warps is None else num_warps
     if block_m is None:
         block_m = 16 if max_query_len <= DECODE_MAX_QUERY_LEN else 64
     block_m = max(block_m, qpk_pad, 16)
@@ -109,11 +126,16 @@ def choose_num_splits(
     Only decode steps (max_query_len <= DECODE_MAX_QUERY_LEN) on a GPU split, and only when the
     (request, kv head) programs cannot give every SM two of them; each split
     should still stream >= 256 positions. E.g. H200 (132 SMs), 8 kv heads:
-    1 request at 8k context -> 16 splits; 64 requests -> 1.
+    1 request at 8k context -> 16 splits; 64 requests -> 1. Past LONG_DECODE_SEQ
+    the aim is four programs an SM and at most 64 splits (1 request at 126k -> 64):
+    on the H200 one Llama-3.1-8B decode at 126k context took 270.7 us of attention
+    a layer with 16 splits, 127.6 us with 64 (4.05 TB/s; `sweep_tiles.py --long`),
+    while 64 splits at 1k context cost 11.0 us against 16's 8.2.
     """
     if device.type != "cuda" or max_query_len > DECODE_MAX_QUERY_LEN or not max_seq_len:
         return 1
     programs = max(1, num_reqs * num_kv_heads)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    want = -(-2 * _num_sms(index) // programs)  # ceil
-    return max(1, min(16, want, max_seq_len // 256))
+    per_sm, cap = (4, 64) if max_seq_len > LONG_DECODE_SEQ else (2, 16)
+    want = -(-per_sm * _num_sms(index) // programs)  # ceil
+    return max(1, min(cap, want, max_seq_len // 256))

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.dtypes import is_fp8
+from tokenmill.kernels.kv_fp8 import kv_unit
 from tokenmill.kernels.triton.fp8_quant import e4m3_to_f16_div256, f32_to_e4m3_bits
 
 def kv_cache_arg(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -63,12 +64,31 @@ def encode_kv(x, scale, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def decode_kv(bits, KV_FP8: tl.constexpr):
-    """fp8 bits (uint8) -> float16: the value (e5m2) or value / 256 (e4m3, see `kv_unit`); KV_FP8 0: as is."""
+def decode_kv(bits, KV_FP8: tl.constexpr, NATIVE: tl.constexpr = False):
+    """fp8 bits (uint8) -> float16: the value (e5m2) or value / 256 (e4m3, see `kv_unit`); KV_FP8 0: as is.
+
+    NATIVE (compute capability >= 8.9 only, never the interpreter): the hardware's fp8 -> float16 conversion
+    (`cvt.rn.f16x2.e4m3x2` / `.e5m2x2`, two values per instruction) instead of the bit operations (about 9
+    integer instructions per value for e4m3); it yields the value itself for both formats (unit 1, see
+    `decode_unit`). On the H200 the bit decode made a full decode batch's attention 1.9x slower than the
+    bfloat16 cache's (issue 21, session 13: 42.6 vs 22.7 ms a step): it is issue-bound there.
+    """
     if KV_FP8 == 1:
-        y = e4m3_to_f16_div256(bits)
+        if NATIVE:
+            y = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            y = e4m3_to_f16_div256(bits)
     elif KV_FP8 == 2:
-        y = (bits.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        if NATIVE:
+            y = bits.to(tl.float8e5, bitcast=True).to(tl.float16)
+        else:
+            y = (bits.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     else:
         y = bits
     return y
+
+
+def decode_unit(dtype: torch.dtype, native: bool) -> float:
+    """What `decode_kv`'s values are to be multiplied by for a cache of `dtype`: 1 for the NATIVE decode,
+    else `kernels.kv_fp8.kv_unit` (256 for e4m3's bit decode)."""
+    return 1.0 if native else kv_unit(dtype)

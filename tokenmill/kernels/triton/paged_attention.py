@@ -85,9 +85,20 @@ bits and decodes each K/V tile exactly into the query's dtype
 (`triton/kv_fp8.decode_kv`, integer bit operations, so cc 7.0 and the
 interpreter run it too). The layer's scales are folded in on the host:
 the score scale becomes scale * k_scale * unit and the output is multiplied
-by v_scale * unit before the division by l (unit = 256 for e4m3's decode,
+by v_scale * unit before the division by l (unit = 256 for e4m3's bit decode,
 1 for e5m2), so dots run on the fp8 values themselves and the result equals
-attention over the dequantized cache up to float rounding.
+attention over the dequantized cache up to float rounding. The decode is
+where an fp8 cache's time goes (a full decode batch reads ~5e10 cache values
+a step on Llama-3.1-8B), so on cc >= 8.9 KV_NATIVE uses the conversion
+instructions (two values each) instead of the bit operations, and with
+bfloat16 queries Q_F16 runs both dots in float16, which the decoded values
+already are (a float16 -> bfloat16 cast costs two conversions a value): each
+query row is multiplied by the power of two 2^-e that brings its largest
+|q| into [0.5, 1) before its float16 rounding, and 2^e joins that row's score
+scale. The rounding is exact for every element within 2^-14 of its row's
+largest (bfloat16 keeps 8 significant bits); smaller ones, whose products
+are below 2^-14 of the row's largest, keep fewer bits. P is rounded to
+float16 for the P @ V dot (3 more bits than bfloat16).
 
 Small decode batches split each KV range over grid axis 1 (flash-decoding);
 each split writes a partial result and its log-sum-exp, and
@@ -144,6 +155,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * QPK_PAD
     BLOCK_N: tl.constexpr,  # KV positions per loop step
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= head_dim (>= 16)
+    EVEN_D: tl.constexpr,  # head_dim == HEAD_DIM_PAD (no mask along the head dimension)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
@@ -151,6 +163,8 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # KV range split over grid axis 2 (flash-decoding); 1 = off
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1: write partial results + lse for merge_splits
     KV_FP8: tl.constexpr,  # 0: cache in the query's dtype; 1 / 2: e4m3fn / e5m2 bits (triton/kv_fp8.py)
+    KV_NATIVE: tl.constexpr,  # KV_FP8 only: decode with the fp8 conversion instructions (cc >= 8.9)
+    Q_F16: tl.constexpr,  # KV_FP8 with bfloat16 queries: dots in float16, queries scaled per row (docstring)
     HEAVY_FIRST: tl.constexpr,  # axis 0 runs the query blocks last to first (module docstring)
     ROLE: tl.constexpr,  # 0: the only launch; 1 / 2: decode / prefill launch of a mixed step (module docstring)
     DECODE_Q: tl.constexpr,  # ROLE 2: requests with q_len <= DECODE_Q are the decode launch's
@@ -204,7 +218,10 @@ def paged_attention_kernel(
     head_in_group = offs_m % QPK_PAD
     head = kv_head * num_queries_per_kv + head_in_group
     row_valid = (tok < q_len) & (head_in_group < num_queries_per_kv)
-    d_valid = offs_d < head_dim
+    # A head_dim mask known at compile time (EVEN_D: head_dim == HEAD_DIM_PAD) keeps the K/V loads vectorized,
+    # which Triton's pipeliner needs to turn them into cp.async copies (a runtime mask along the contiguous
+    # dimension made them element-wise, synchronous loads).
+    d_valid = (offs_d < HEAD_DIM_PAD) if EVEN_D else (offs_d < head_dim)
     tok_global = (q_start + tok).to(tl.int64)
     io_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(
@@ -213,6 +230,15 @@ def paged_attention_kernel(
         other=0.0,
     )
     q_pos = ctx_len + tok  # absolute position of each row's token
+    # The score scale per row: `scale`, or with Q_F16 scale * 2^e where q / 2^e is the row in float16.
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
+    if Q_F16:
+        # 2^e > max |q| of the row, from its float32 exponent field E: 2^-e has field 253 - E (exact, no exp2).
+        q32 = q.to(tl.float32)
+        q_exp = (tl.max(tl.abs(q32), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        q_mul = ((253 - tl.minimum(q_exp, 252)) << 23).to(tl.float32, bitcast=True)
+        q = (q32 * q_mul[:, None]).to(tl.float16)
+        row_scale = row_scale / q_mul
 
     # KV positions any row of this block can see: [kv_begin, kv_end).
     last_tok = tl.minimum(q0 + BLOCK_Q, q_len) - 1
@@ -244,24 +270,24 @@ def paged_attention_kernel(
         n_valid = offs_n < kv_end
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slot_off = block_id * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + head_off
-        kv_mask = n_valid[:, None] & d_valid[None, :]
+        kv_mask = (n_valid[:, None] & d_valid[None, :]) if not EVEN_D else n_valid[:, None]
         k = tl.load(kv_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(kv_cache_ptr + stride_c_kv + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         if KV_FP8:  # exact: every fp8 value is a float16 / bfloat16 / float32 number
-            k = decode_kv(k, KV_FP8).to(q.dtype)
-            v = decode_kv(v, KV_FP8).to(q.dtype)
+            k = decode_kv(k, KV_FP8, KV_NATIVE).to(q.dtype)
+            v = decode_kv(v, KV_FP8, KV_NATIVE).to(q.dtype)
         # k, v: [BLOCK_N, HEAD_DIM_PAD], rows contiguous in memory
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
         if USE_SOFTCAP:
             # cap * tanh(x / cap) with tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}):
             # never overflows, unlike the (e^{2y} - 1) / (e^{2y} + 1) form.
-            y = s * scale / softcap
+            y = s * row_scale[:, None] / softcap
             t = tl.exp2(-2.0 * LOG2E * tl.abs(y))
             th = (1.0 - t) / (1.0 + t)
             s = tl.where(y < 0, -th, th) * (softcap * LOG2E)
         else:
-            s = s * (scale * LOG2E)
+            s = s * (row_scale * LOG2E)[:, None]
         if USE_WINDOW:
             visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
             visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.kv_fp8 import kv_fp8_code, kv_unit
+from tokenmill.kernels.kv_fp8 import kv_fp8_code
 from tokenmill.kernels.triton.attention_config import (
     AttentionLaunchConfig,
     choose_decode_launch_config,
     choose_launch_config,
     choose_num_splits,
 )
-from tokenmill.kernels.triton.kv_fp8 import kv_cache_arg
+from tokenmill.kernels.triton.kv_fp8 import decode_unit, kv_cache_arg
 from tokenmill.kernels.triton.merge_splits import merge_splits
 from tokenmill.kernels.triton.paged_attention import paged_attention_kernel
+from tokenmill.kernels.triton.splitk import device_facts
 
+
+# fp8 caches on cc >= 8.9 decode with the conversion instructions (the kernel's KV_NATIVE); False keeps the bit
+# decode everywhere (A/B timing: benchmarks/gpu/sweep_tiles.py --fp8).
+FP8_NATIVE = True
 
 def paged_attention(
     query: torch.Tensor,
@@ -107,7 +112,8 @@ def paged_attention(
         sinks = sinks.float().contiguous()
     qpk = num_heads // num_kv_heads
     cfg = choose_launch_config(
-        max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps
+        max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps,
+        large_tiles=query.is_cuda and device_facts(query.device)[0] >= (9, 0),
     )
     if num_splits is None:
         num_splits = choose_num_splits(query.device, max_query_len, num_reqs, num_kv_heads, max_seq_len)
@@ -123,6 +129,8 @@ def paged_attention(
         dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
         lse_split_stride, lse_tok_stride = 0, 0
     fp8 = kv_fp8_code(kv_cache.dtype)
+    native = bool(fp8) and FP8_NATIVE and query.is_cuda and device_facts(query.device)[0] >= (8, 9)
+    unit = decode_unit(kv_cache.dtype, native) if fp8 else 1.0
     dec_cfg = None
     if split_decodes:
         dec_cfg = choose_decode_launch_config(max_query_len, cfg, qpk, head_dim, num_stages=num_stages,
@@ -138,8 +146,8 @@ def paged_attention(
             seq_lens,
             query_start_loc,
             sinks if sinks is not None else query,
-            float(scale) * (float(k_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0),
-            float(v_scale) * kv_unit(kv_cache.dtype) if fp8 else 1.0,
+            float(scale) * (float(k_scale) * unit if fp8 else 1.0),
+            float(v_scale) * unit if fp8 else 1.0,
             float(logits_soft_cap or 0.0),
             int(sliding_window or 0),
             num_reqs,
@@ -166,6 +174,7 @@ def paged_attention(
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             HEAD_DIM_PAD=tiles.head_dim_pad,
+            EVEN_D=head_dim == tiles.head_dim_pad,
             USE_WINDOW=sliding_window is not None and sliding_window > 0,
             USE_SOFTCAP=logits_soft_cap is not None and logits_soft_cap > 0,
             USE_SINKS=sinks is not None,
@@ -173,6 +182,8 @@ def paged_attention(
             NUM_SPLITS=num_splits,
             SPLIT_KV=split_kv,
             KV_FP8=fp8,
+            KV_NATIVE=native,
+            Q_F16=bool(fp8) and query.dtype == torch.bfloat16,
             HEAVY_FIRST=heavy_first,
             ROLE=role,
             DECODE_Q=dec_cfg.block_q if role == 2 else 0,

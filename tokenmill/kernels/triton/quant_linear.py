@@ -121,7 +121,8 @@ DOT_M_MAX = 64
 # LARGE_M_MIN < M <= TC_M_MAX (cc >= 8.0, no act-order, group -1 or a multiple of 16): the unpacking tensor-core
 # GEMM (`quant_gemm_tc.py`) instead of dequantize + cuBLAS. 0 = off: on the H200 it took 0.12-0.17x of bf16's
 # speed per Llama-3.1-8B layer at M = 128..4096, slower than dequantize + cuBLAS everywhere (session 12,
-# benchmarks/gpu/results/session12/visit3/large-m.log, column q4_tc).
+# benchmarks/gpu/results/session12/visit3/large-m.log, column q4_tc). Rewritten since (its docstring); off until
+# `benchmarks/gpu/large_m_paths.py` shows the new tiles ahead of dequantize + cuBLAS.
 TC_M_MAX = 0
 DOT_TILES = ((32, 64, 2, 4, 8), (64, 128, 4, 3, 2))
 DOT_BLOCK_K = 128
