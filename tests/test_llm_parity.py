@@ -9,7 +9,8 @@ that float summation order can flip); the comparison of that prompt stops there.
 
 The same prompts run again with a token budget small enough to force
 chunked prefill and with a KV cache small enough to force preemption. The
-model loads once (~30 s); those two runs rebuild only the engine's scheduler
+model loads once (~30 s; the session's `smollm2_llm`, shared with
+test_llm_request_fields.py); those two runs rebuild only the engine's scheduler
 with the smaller budget / block count, exactly as `EngineCore` builds it from
 `max_num_batched_tokens` / `num_gpu_blocks_override` (the worker's larger
 KV tensor is then simply not fully used).
@@ -56,11 +57,12 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    engine = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes="128M", block_size=BLOCK_SIZE,
-                 max_num_seqs=16, seed=0)
-    yield engine
-    engine.llm_engine.shutdown()
+def llm(smollm2_llm):
+    """The session's SmolLM2 LLM (tests/conftest.py: float32, 16-token blocks), with a default scheduler again
+    after this module (its tests swap the scheduler)."""
+    assert smollm2_llm.llm_engine.engine_core.engine_config.cache_config.block_size == BLOCK_SIZE
+    yield smollm2_llm
+    _use_scheduler(smollm2_llm)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +98,15 @@ def hf_reference(hf_smollm2):
 
 
 def _use_scheduler(llm: LLM, num_blocks: int | None = None, **sched_overrides) -> Scheduler:
-    """Give the engine a fresh scheduler (fresh counters) with the given limits."""
+    """Give the engine a fresh scheduler (fresh counters) with the given limits. The ids of the requests the old
+    one finished since its last step carry over: the worker frees their batch rows when it hears of them."""
     core = llm.llm_engine.engine_core
+    assert not core.scheduler.requests, "swap schedulers only between generate() calls"
     sched_cfg = dataclasses.replace(core.engine_config.scheduler_config, **sched_overrides)
     num_blocks = num_blocks or core.engine_config.cache_config.num_gpu_blocks
+    finished = core.scheduler.finished_req_ids
     core.scheduler = Scheduler(sched_cfg, core.engine_config.cache_config, num_blocks)
+    core.scheduler.finished_req_ids |= finished
     return core.scheduler
 
 

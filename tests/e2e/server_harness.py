@@ -36,6 +36,13 @@ PROD_MAX_NUM_SEQS = 64
 PROD_MAX_BODY_BYTES = 2**20
 # The session's agent server (conftest.py `agent_server`): no API key, tool calling on.
 AGENT_MAX_MODEL_LEN = 1024
+# The session's trusting server (tests/conftest.py `trusting_servers`): no API key, chat templates in requests
+# allowed, control tokens typed by users sanitized, metrics also under `vllm:`. Used by e2e/test_hardening.py
+# (its last test kills the engine core) and deploy/test_prometheus.py (a burst of 4 x TRUSTING_MAX_NUM_SEQS queues).
+TRUSTING_MAX_NUM_SEQS = 16
+TRUSTING_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", "512M", "--max-num-seqs",
+                 str(TRUSTING_MAX_NUM_SEQS), "--trust-request-chat-template", "--sanitize-control-tokens",
+                 "--metrics-vllm-names"]
 
 
 def no_keepalive(asynchronous: bool = False) -> Any:
@@ -153,3 +160,34 @@ def running_server(tmp: Path, extra_args: list[str], env: dict[str, str] | None 
         yield srv
     finally:
         srv.stop()
+
+
+class RestartingServer:
+    """One server with `extra_args` for several test files: `get()` starts it the first time and again after it
+    exited (a test may end it on purpose), each in a fresh folder under `tmp_factory`; `stop()` stops it."""
+
+    def __init__(self, tmp_factory: Any, extra_args: list[str], start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self._tmp_factory, self._args, self._timeout_s = tmp_factory, extra_args, start_timeout_s
+        self._srv: ServerProcess | None = None
+
+    def get(self) -> ServerProcess:
+        """The running server (started now if none is running); RuntimeError as `running_server` if it fails."""
+        global START_TIMEOUT_S
+        if self._srv is not None and self._srv.proc.poll() is None:
+            return self._srv
+        self.stop()
+        self._srv = ServerProcess(self._tmp_factory.mktemp("restarting_server"), self._args)
+        default, START_TIMEOUT_S = START_TIMEOUT_S, max(START_TIMEOUT_S, self._timeout_s)
+        try:
+            self._srv.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            START_TIMEOUT_S = default
+        return self._srv
+
+    def stop(self) -> None:
+        if self._srv is not None:
+            self._srv.stop()
+            self._srv = None

@@ -1,8 +1,9 @@
 """Hardening against a real server (bundled SmolLM2): request templates, exact streamed logprobs, a dead engine.
 
-Uses the session's `prod_server` (no --trust-request-chat-template) and one
-module server started with --trust-request-chat-template
---sanitize-control-tokens; the last test kills that server's engine core.
+Uses the session's `prod_server` (no --trust-request-chat-template) and the
+session's trusting server (tests/conftest.py `trusting_servers`: started with
+--trust-request-chat-template --sanitize-control-tokens); the last test kills
+that server's engine core (a later user of it gets a new one).
 Every wait is on an event (a stream's first event, a process exit), bounded
 by a safety timeout.
 """
@@ -16,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from server_harness import API_KEY, ServerProcess, http
+from server_harness import API_KEY, TRUSTING_MAX_NUM_SEQS, http
 
 pytestmark = pytest.mark.e2e
 
@@ -34,15 +35,10 @@ def secret_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trusting_server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("trusting_server"), [
-        "--max-model-len", "512", "--kv-cache-memory-bytes", "512M", "--max-num-seqs", "16",
-        "--trust-request-chat-template", "--sanitize-control-tokens"])
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+def trusting_server(trusting_servers):
+    """tests/conftest.py's server with --trust-request-chat-template --sanitize-control-tokens (shared with
+    deploy/test_prometheus.py; this module's last test ends it)."""
+    return trusting_servers.get()
 
 
 def _template_bodies(path: str) -> list[tuple[str, dict]]:
@@ -190,8 +186,8 @@ def test_killing_the_engine_fails_16_requests_and_the_server_exits_non_zero(trus
     import httpx
 
     srv = trusting_server
-    started = [threading.Event() for _ in range(16)]
-    results: list[str | None] = [None] * 16
+    started = [threading.Event() for _ in range(TRUSTING_MAX_NUM_SEQS)]
+    results: list[str | None] = [None] * TRUSTING_MAX_NUM_SEQS
 
     def consume(i: int) -> None:
         body = {"prompt": f"Count slowly, request {i}:", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -209,7 +205,7 @@ def test_killing_the_engine_fails_16_requests_and_the_server_exits_non_zero(trus
         finally:
             started[i].set()
 
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(TRUSTING_MAX_NUM_SEQS)]
     for t in threads:
         t.start()
     for e in started:

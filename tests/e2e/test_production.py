@@ -1,25 +1,22 @@
-"""A production server, end to end: every sampling field, logprob shapes, auth, /metrics, load, SIGTERM.
+"""A production server, end to end: every sampling field, logprob shapes, auth, /metrics, load and disconnects.
 
 Uses the session's `prod_server` (conftest.py: API key, --max-model-len 256,
---max-num-seqs 64, --max-logprobs 20) with the real `openai` client, plus one
-short-lived server for the SIGTERM test. Generations are a few tokens long:
+--max-num-seqs 64, --max-logprobs 20) with the real `openai` client (the SIGTERM
+test ends test_vllm_openai_entrypoint.py's server). Generations are a few tokens long:
 the suite runs on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import os
-import signal
 import threading
 import time
 
 import pytest
 from optional_deps import require
-from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, ServerProcess, http, no_keepalive
+from server_harness import API_KEY, PROD_MAX_MODEL_LEN, PROD_MAX_NUM_SEQS, http, no_keepalive
 
 openai = require("openai")
 prom_parser = require("prometheus_client.parser", "prometheus-client")
@@ -370,81 +367,3 @@ def test_256_concurrent_streams_complete_then_50_disconnects_free_every_block(pr
     # 256 requests over 64 sequence slots: they queued instead of failing.
     assert metric(now, "tokenmill:request_queue_time_seconds_count") - \
         metric(before, "tokenmill:request_queue_time_seconds_count") == 306
-
-
-# ---------------------------------------------------------------- SIGTERM
-
-
-def test_sigterm_stops_accepting_finishes_short_requests_aborts_long_ones_and_exits_0(tmp_path):
-    """Waits on events (each stream's first event, the short one's end, refused connects, the exit), not clocks.
-
-    The grace period (600 s) is far longer than the 12-token short request
-    needs on any machine. Once the short request is done the engine core is
-    paused (SIGSTOP), so the long one cannot finish inside the grace period;
-    a second SIGTERM then ends the grace at once, and the long request must
-    be aborted with a "shutting down" error (the grace period running out
-    takes the same abort path: tests/entrypoints/test_server_guards.py).
-    """
-    import httpx
-
-    grace_s = safety_s = 600
-    srv = ServerProcess(tmp_path, ["--max-model-len", "4096", "--kv-cache-memory-bytes", "256M",
-                                   "--shutdown-timeout", str(grace_s)])
-    try:
-        srv.wait_healthy()
-        events: dict[str, list] = {"long": [], "short": []}
-        first = {name: threading.Event() for name in events}
-        done = {name: threading.Event() for name in events}
-
-        def consume(name: str, max_tokens: int) -> None:
-            body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-            try:
-                with httpx.stream("POST", f"{srv.base}/v1/completions", json=body, timeout=safety_s) as resp:
-                    for line in resp.iter_lines():
-                        if line.startswith("data: "):
-                            events[name].append(line[6:])
-                            first[name].set()
-            finally:
-                first[name].set()
-                done[name].set()
-
-        threads = [threading.Thread(target=consume, args=("long", 4000)),
-                   threading.Thread(target=consume, args=("short", 12))]
-        for t in threads:
-            t.start()
-        assert first["long"].wait(safety_s) and first["short"].wait(safety_s)
-        srv.proc.send_signal(signal.SIGTERM)
-        # The short request, accepted before the signal, finishes normally inside the grace period.
-        assert done["short"].wait(safety_s)
-        assert events["short"][-1] == "[DONE]", events["short"][-3:]
-        short = [json.loads(e) for e in events["short"][:-1]]
-        assert short[-1]["choices"][0]["finish_reason"] == "length", events["short"][-3:]
-        core = srv.engine_core_pids()
-        assert len(core) == 1, core
-        os.kill(core[0], signal.SIGSTOP)  # the long request stops progressing; shutdown kills the core later
-        # No longer accepting: connects are refused once the server closed its socket.
-        while True:
-            try:
-                httpx.get(f"{srv.base}/health", timeout=safety_s)
-            except httpx.ConnectError:
-                break
-            time.sleep(0.05)
-        # A second SIGTERM ends the grace period: the long request is aborted; then the core may run again, so
-        # the server's shutdown finds it answering instead of waiting out its terminate / kill timeouts.
-        assert not done["long"].is_set()
-        srv.proc.send_signal(signal.SIGTERM)
-        assert done["long"].wait(safety_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(core[0], signal.SIGCONT)
-        code = srv.proc.wait(safety_s)
-        for t in threads:
-            t.join(safety_s)
-        assert code == 0, srv.log_tail()
-        # The long one ended cleanly after the grace period: an error event saying why, then [DONE].
-        assert events["long"][-1] == "[DONE]"
-        last = json.loads(events["long"][-2])
-        assert last["error"]["code"] == 503
-        assert last["error"]["message"].startswith("The server is shutting down"), last
-        assert "Traceback" not in srv.log_tail(20000)
-    finally:
-        srv.stop()

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_DESTS = {f.name for f in dataclasses.fields(EngineArgs)}
 # Implemented flags whose effect lives in a running process, with the test that observes it there.
 OBSERVED_ELSEWHERE = {
-    "--shutdown-timeout": "tests/e2e/test_production.py",
+    "--shutdown-timeout": "tests/e2e/test_vllm_openai_entrypoint.py",
     "--metrics-vllm-names": "tests/e2e/test_production.py",
     "--enable-auto-tool-choice": "tests/tool_parsers/test_chat_server.py",
     "--tool-call-parser": "tests/e2e/test_agents.py",

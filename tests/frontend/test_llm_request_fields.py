@@ -16,7 +16,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # builds the real SmolLM2 twice
+pytestmark = pytest.mark.slow  # the real SmolLM2 in two engines (one shared with test_llm_parity.py)
 
 PROMPT = "The capital of France is"
 LONG_PROMPT = ("Gravity is the force by which a planet or other body draws objects toward its center. "
@@ -29,8 +29,8 @@ def _llm(gguf: str, **kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_gguf) -> LLM:
-    return _llm(smollm2_gguf)
+def llm(smollm2_llm) -> LLM:
+    return smollm2_llm  # tests/conftest.py's, shared with test_llm_parity.py
 
 
 @pytest.fixture(scope="module")

@@ -67,20 +67,19 @@ def test_template_error_is_value_error(tokenizer):
         apply_chat_template(tokenizer, MESSAGES, chat_template=bad)
 
 
-def test_gguf_conversion_equals_plain_transformers(smollm2_gguf, tmp_path, monkeypatch):
-    """A cold conversion (config parse through tokenmill's GGUF reader view) == transformers' own, token for token."""
-    import os
-    from pathlib import Path
+def test_gguf_conversion_equals_plain_transformers(smollm2_gguf, hf_smollm2, tmp_path, monkeypatch):
+    """A cold conversion (config parse through tokenmill's GGUF reader view) == transformers' own, token for token.
 
-    from transformers import AutoTokenizer
+    transformers' own is the session's hf_smollm2 tokenizer (`AutoTokenizer.from_pretrained(folder,
+    gguf_file=name)`, tests/conftest.py), converted once for every file that uses it."""
+    from pathlib import Path
 
     from tokenmill.model_loader.tokenizer import load_tokenizer
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     ours = load_tokenizer(smollm2_gguf)
     assert _gguf_cache_dir(Path(smollm2_gguf)).is_relative_to(tmp_path)  # really cold
-    folder, name = os.path.split(smollm2_gguf)
-    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _, ref = hf_smollm2
     assert type(ours) is type(ref)
     assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
     assert ours.special_tokens_map == ref.special_tokens_map and ours.chat_template == ref.chat_template

@@ -77,3 +77,17 @@ def run_prompt(model, token_ids: list[int]) -> torch.Tensor:
 def run_tokenmill_prompt():
     """The `run_prompt(model, token_ids) -> logits [n, vocab] float32` helper."""
     return run_prompt
+
+
+@pytest.fixture(scope="session")
+def gemma3_llm(gemma3_gguf):
+    """tokenmill's `LLM` on the Gemma 3 270M GGUF (float32, max_model_len 256, 64 KV blocks, its linear weights
+    kept quantized: TOKENMILL_CPU_GGUF_KERNELS=1), loaded once (~20-40 s on 2 cores) for test_gemma3_gguf.py
+    and test_gguf_quantized.py (one worker: both name `gemma3_gguf`, tests/conftest.py)."""
+    from tokenmill import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_CPU_GGUF_KERNELS", "1")
+        llm = LLM(model=gemma3_gguf, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0)
+    yield llm
+    llm.llm_engine.shutdown()

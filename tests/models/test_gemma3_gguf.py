@@ -25,7 +25,7 @@ import torch
 from family_utils import compare_greedy, hf_teacher_forced
 from gguf_reference import gguf_parsed_once
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real Gemma 3 270M against transformers: minutes on 2 cores
 
@@ -43,8 +43,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def gemma_llm(gemma3_gguf):
-    return LLM(model=gemma3_gguf, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0)
+def gemma_llm(gemma3_llm):
+    return gemma3_llm  # conftest.py's, shared with test_gguf_quantized.py
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,19 @@ pytestmark = pytest.mark.slow  # two real models per file (~10-30 s on 2 cores)
 
 
 def _pair(gguf: str, monkeypatch) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return _kept_quantized(gguf, monkeypatch), _dequantized(gguf, monkeypatch)
+
+
+def _kept_quantized(gguf: str, monkeypatch) -> torch.nn.Module:
     cfg = EngineArgs(model=gguf, device="cpu", dtype="float32").create_engine_config()
     monkeypatch.setenv("TOKENMILL_CPU_GGUF_KERNELS", "1")
-    quant = get_model(cfg.model_config, "cpu", "float32")
+    return get_model(cfg.model_config, "cpu", "float32")
+
+
+def _dequantized(gguf: str, monkeypatch) -> torch.nn.Module:
+    cfg = EngineArgs(model=gguf, device="cpu", dtype="float32").create_engine_config()
     monkeypatch.setenv("TOKENMILL_CPU_GGUF_KERNELS", "0")
-    plain = get_model(cfg.model_config, "cpu", "float32")
-    return quant, plain
+    return get_model(cfg.model_config, "cpu", "float32")
 
 
 def _check(quant, plain, run_prompt, vocab: int, expect_layers: int) -> None:
@@ -50,8 +57,10 @@ def test_smollm2_q4_1(smollm2_gguf, monkeypatch, run_tokenmill_prompt):
     _check(quant, plain, run_tokenmill_prompt, 49152, expect_layers=30 * 4)  # qkv, o, gate_up, down
 
 
-def test_gemma3_q4_k_m(gemma3_gguf, monkeypatch, run_tokenmill_prompt):
-    quant, plain = _pair(gemma3_gguf, monkeypatch)
+def test_gemma3_q4_k_m(gemma3_gguf, gemma3_llm, monkeypatch, run_tokenmill_prompt):
+    # The kept-quantized model is the shared float32 LLM's (conftest.py), loaded once for two files.
+    quant = gemma3_llm.llm_engine.engine_core.executor.worker.model_runner.model
+    plain = _dequantized(gemma3_gguf, monkeypatch)
     types = {seg.qtype for m in quant.modules() if isinstance(m, LinearBase) and isinstance(m.weight, GGUFWeight)
              for seg in m.weight.segments}
     assert {"Q4_K", "Q6_K"} <= types  # both K-quant kernels ran on the real file

@@ -5,8 +5,9 @@ The reference is one batched run with prefix caching off. Every other run
 exactly the same tokens: a prefix-cache hit only skips recomputing KV that
 an earlier step already wrote, and preemption by recompute rebuilds it.
 
-The model loads once per module; each configuration gets a fresh scheduler
-built from the flag it stands for (see `pc_helpers.use_scheduler`).
+The model loads once per session (tests/conftest.py `smollm2_llm`, shared with
+other files); each configuration gets a fresh scheduler built from the flag it
+stands for (see `pc_helpers.use_scheduler`).
 
 Prompts (token ids, so lengths are exact; block_size 16):
 
@@ -22,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from pc_helpers import use_scheduler
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real SmolLM2, cold and warm runs: a minute or more on 2 cores
 
@@ -37,11 +38,13 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 @pytest.fixture(scope="module")
-def llm():
-    engine = LLM(dtype="float32", max_model_len=256, block_size=BLOCK, kv_cache_memory_bytes="32M",
-                 max_num_seqs=16, seed=0, enable_prefix_caching=True)
-    yield engine
-    engine.llm_engine.shutdown()
+def llm(smollm2_llm):
+    """The session's SmolLM2 LLM (tests/conftest.py: float32, 16-token blocks, 16 sequences), with a default
+    scheduler again after this module (its tests swap the scheduler)."""
+    config = smollm2_llm.llm_engine.engine_core.engine_config
+    assert config.cache_config.block_size == BLOCK and config.scheduler_config.max_num_seqs == 16
+    yield smollm2_llm
+    use_scheduler(smollm2_llm, caching=config.cache_config.enable_prefix_caching)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import pytest
 import torch
 from engine_parity import batch_prefill_logits, hf_logits
 from fp8_checkpoints import activation_hooks, reference_fp8_state_dict, write_fp8_checkpoint
+# smollm2_dense is built from the session's hf_smollm2: naming it here runs this file on the worker of the other
+# hf_smollm2 files (tests/conftest.py), which builds it once (~20 s on 2 cores), not a second time on the other.
 from test_e2e_smollm2 import QUANTIZED_LAYERS, SKIPPED, hf_dense, smollm2_dense  # noqa: F401 (fixtures)
 
 from tokenmill.config import EngineArgs
