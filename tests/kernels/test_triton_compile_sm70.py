@@ -94,6 +94,22 @@ SCRIPT = textwrap.dedent(
             results.append(dict(kernel=f"attention_q{max_q}_d{head_dim}{suffix}", cc=cc,
                                 ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
                                 cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
+    # sm_75 (T4: 64 KiB of shared memory a block), float16, head_dim 256 (Gemma 3): the prefill tiles for small
+    # shared memory and the decode tiles.
+    for max_q in (512, 1):
+        cfg = choose_launch_config(max_q, 4, 256, num_stages=1, small_shared=True)
+        cx = dict(BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, QPK_PAD=cfg.qpk_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  HEAD_DIM_PAD=cfg.head_dim_pad, USE_WINDOW=True, USE_SOFTCAP=True, USE_SINKS=False, DOT_PREC="tf32",
+                  NUM_SPLITS=1, SPLIT_KV=False, KV_FP8=0, KV_NATIVE=False, Q_F16=False, HEAVY_FIRST=True, ROLE=0,
+                  DECODE_Q=0)
+        ptrs = {"out_ptr": "*fp16", "lse_ptr": "*fp32", "q_ptr": "*fp16", "kv_cache_ptr": "*fp16",
+                "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"}
+        src = triton.compiler.ASTSource(fn=paged_attention_kernel, constexprs=cx,
+                                        signature=sig_of(paged_attention_kernel, ptrs, ("scale", "v_scale", "softcap"), cx))
+        k = triton.compile(src, target=GPUTarget("cuda", 75, 32), options={"num_warps": cfg.num_warps, "num_stages": 1})
+        results.append(dict(kernel=f"attention_q{max_q}_d256", cc=75,
+                            ptx_target=[l.split()[1] for l in k.asm["ptx"].splitlines() if l.startswith(".target")],
+                            cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared))
     # Fused elementwise kernels (RMSNorm, RoPE, gated activations): float16 on sm_70
     # (ROUND=1), bfloat16 on sm_90 (ROUND=2); libdevice math on, no fp fusion (as launched).
     for cc in (70, 90):
@@ -146,11 +162,11 @@ def test_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels):
         ("attention_q512_d128_prefill_role", 70), ("kv_write_e4m3", 90), ("kv_write_e5m2", 90),
         ("attention_q512_d128", 90), ("attention_q1_d128_e5m2", 90), ("attention_q1_d128_decode_role", 90),
         ("attention_q512_d128_e5m2_prefill_role", 90), ("attention_q16384_d128_large_tiles", 90),
-        ("attention_q512_d128_e4m3", 90)
+        ("attention_q512_d128_e4m3", 90), ("attention_q512_d256", 75), ("attention_q1_d256", 75)
     ] + [(name, cc) for cc in (70, 90) for name in elementwise] + [("mxfp4_dequant", 70), ("mxfp4_dequant", 90)]
     for r in results:
-        want = "sm_70" if r["cc"] == 70 else "sm_90a"
+        want = {70: "sm_70", 75: "sm_75"}.get(r["cc"], "sm_90a")
         assert r["ptx_target"] == [want], r
         assert r["cubin_bytes"] > 0, r
-        # Shared memory per block: V100 allows 96 KiB, H100/H200 227 KiB.
-        assert r["shared"] <= (96 if r["cc"] == 70 else 227) * 1024, r
+        # Shared memory per block: V100 allows 96 KiB, T4 64 KiB, H100/H200 227 KiB.
+        assert r["shared"] <= {70: 96, 75: 64}.get(r["cc"], 227) * 1024, r

@@ -208,6 +208,17 @@ def test_long_prefill_tiles():
     assert choose_launch_config(16384, 4, 128, block_n=32, large_tiles=True).block_n == 32  # overrides win
 
 
+def test_small_shared_memory_tiles():
+    """cc 7.5 (64 KiB of shared memory a block): head_dim 256 prefill tiles shrink; decode and head_dim 128 keep
+    theirs (the sm_75 compile in test_triton_compile_sm70.py checks the sizes)."""
+    small = choose_launch_config(512, 4, 256, num_stages=1, small_shared=True)
+    assert (small.block_m, small.block_n, small.num_warps) == (32, 16, 4)
+    assert choose_launch_config(512, 4, 256, num_stages=1).block_m == 64  # V100: 96 KiB
+    assert choose_launch_config(1, 4, 256, num_stages=1, small_shared=True) == choose_launch_config(1, 4, 256, num_stages=1)
+    assert choose_launch_config(512, 4, 128, num_stages=1, small_shared=True) == choose_launch_config(512, 4, 128,
+                                                                                                       num_stages=1)
+
+
 def test_split_count_rules(monkeypatch):
     monkeypatch.setattr(triton_attention_config, "_num_sms", lambda index: 132)  # H100/H200
     cuda = torch.device("cuda", 0)

@@ -51,6 +51,7 @@ def choose_launch_config(
     block_n: int | None = None,
     num_warps: int | None = None,
     large_tiles: bool = False,
+    small_shared: bool = False,
 ) -> AttentionLaunchConfig:
     """Pick tile sizes from host-side ints only (so CUDA graphs see a fixed launch).
 
@@ -67,6 +68,9 @@ def choose_launch_config(
     on 8 warps; on the H200 the last 16,384-token chunk of a 126k prompt took
     89.7 ms of attention a layer with them against 100.1 ms with 64 x 64 on 4
     (354 vs 317 TFLOP/s; `benchmarks/gpu/sweep_tiles.py --long`).
+    `small_shared` (the caller's device allows 64 KiB of shared memory a block:
+    cc 7.5, T4 / RTX 20xx): prefill steps at head_dim 256 take 32-row tiles on 4
+    warps, 48 KiB (sm_75 compile); the 64-row ones need 80 KiB there.
     """
     qpk_pad = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -75,6 +79,10 @@ def choose_launch_config(
         block_m = 128 if block_m is None else block_m
         block_n = 128 if block_n is None else block_n
         num_warps = 8 if num_warps is None else num_warps
+    if small_shared and head_dim_pad >= 256 and max_query_len > DECODE_MAX_QUERY_LEN:
+        block_m = 32 if block_m is None else block_m
+        block_n = 16 if block_n is None else block_n
+        num_warps = 4 if num_warps is None else num_warps
     if block_m is None:
         block_m = 16 if max_query_len <= DECODE_MAX_QUERY_LEN else 64
     block_m = max(block_m, qpk_pad, 16)

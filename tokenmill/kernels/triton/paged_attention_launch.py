@@ -112,9 +112,11 @@ def paged_attention(
                              f"{tuple(sinks.shape)}.")
         sinks = sinks.float().contiguous()
     qpk = num_heads // num_kv_heads
+    cap = device_facts(query.device)[0] if query.is_cuda else None
     cfg = choose_launch_config(
         max_query_len, qpk, head_dim, num_stages=num_stages, block_m=block_m, block_n=block_n, num_warps=num_warps,
-        large_tiles=query.is_cuda and query.element_size() == 2 and device_facts(query.device)[0] >= (9, 0),
+        large_tiles=cap is not None and cap >= (9, 0) and query.element_size() == 2,
+        small_shared=cap == (7, 5),
     )
     if num_splits is None:
         num_splits = choose_num_splits(query.device, max_query_len, num_reqs, num_kv_heads, max_seq_len)
@@ -130,7 +132,7 @@ def paged_attention(
         dst_split_stride, dst_tok_stride, dst_head_stride = 0, out.stride(0), out.stride(1)
         lse_split_stride, lse_tok_stride = 0, 0
     fp8 = kv_fp8_code(kv_cache.dtype)
-    native = bool(fp8) and FP8_NATIVE and query.is_cuda and device_facts(query.device)[0] >= (8, 9)
+    native = bool(fp8) and FP8_NATIVE and cap is not None and cap >= (8, 9)
     unit = decode_unit(kv_cache.dtype, native) if fp8 else 1.0
     dec_cfg = None
     if split_decodes:
