@@ -198,7 +198,7 @@ def test_plan_thresholds_and_split_k():
     (4, 32, True), (4, 64, False), (4, 128, True), (4, -1, True), (8, 32, False), (8, 128, True), (8, -1, False),
 ])
 @pytest.mark.parametrize("block_kw", [16])  # the default tile; 4-word tiles: test_gemv_four_word_tiles
-def test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, k=300):
+def test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, k=300, prefetch=False):
     # K = 300: not a multiple of any K step (4 words: 16 / 32 columns per step puts a group boundary inside the
     # tile for group 32 -> per-word groups; 16 words: 64 / 128 columns), N = 21 not a multiple of BLOCK_N 8.
     n = 21
@@ -208,7 +208,7 @@ def test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, 
     for m, split_k in ((1, 1), (1, 3), (2, 3), (3, 1)):  # one row and a padded power-of-two tile, K split or not
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
         plan = ql.QuantLinearPlan("gemv", block_m=4 if m > 2 else m, block_n=8, block_k=block_kw * p,
-                                  split_k=split_k, use_dot=False, num_warps=2)
+                                  split_k=split_k, use_dot=False, num_warps=2, prefetch=prefetch)
         _check(ql.quant_linear(x, w, bias if m % 2 else None, plan=plan), x, w, bias if m % 2 else None)
 
 
@@ -221,6 +221,13 @@ def test_gemv_four_word_tiles(nan_outputs):
     for bits, group_size, zeros, block_kw, k in ((4, 32, True, 4, 140), (8, 64, True, 32, 300),
                                                  (4, 128, True, 16, 256), (8, -1, False, 16, 256)):
         test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, k)
+
+
+def test_gemv_prefetch(nan_outputs):
+    # The register prefetch of the next K step: the unmasked loop (K = 256, 16-word steps: the last step's
+    # prefetch is masked off by a scalar) and the masked one (K = 140, 4 words, a partial last step).
+    for bits, group_size, zeros, block_kw, k in ((4, 128, True, 16, 256), (4, 32, True, 4, 140)):
+        test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, k, prefetch=True)
 
 
 def test_gemv_refuses_act_order_and_the_planner_routes_around_it():

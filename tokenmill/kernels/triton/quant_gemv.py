@@ -103,6 +103,7 @@ def quant_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr,  # packed words per row per step (BLOCK_KW * p columns of K)
     ASM: tl.constexpr = True,  # inline PTX (False under the Triton interpreter)
+    PREFETCH: tl.constexpr = False,  # load each step's words one step ahead (more bytes in flight per warp)
 ):
     """out[m, n] (+)= sum over the K slice of program_id(1) of x[m, k] W[n, k] (module docstring).
 
@@ -124,14 +125,30 @@ def quant_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    w_ptrs = qw_ptr + offs_n64[:, None] * stride_qn + (w_start + tl.arange(0, BLOCK_KW))[None, :] * stride_qk
+    if PREFETCH:
+        # The first step's words; each step then issues the next step's loads before its own arithmetic.
+        if EVEN_K:
+            nxt = tl.load(w_ptrs, mask=n_mask[:, None] & (w_start < w_end), other=0)
+        else:
+            nxt = tl.load(w_ptrs, mask=n_mask[:, None] & ((w_start + tl.arange(0, BLOCK_KW)) < w_end)[None, :],
+                          other=0)
     for w0 in range(w_start, w_end, BLOCK_KW):
         offs_w = w0 + tl.arange(0, BLOCK_KW)
         if EVEN_K:
             w_mask = tl.full((BLOCK_KW,), 1, tl.int1)
         else:
             w_mask = offs_w < w_end
-        words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
-                        mask=n_mask[:, None] & w_mask[None, :], other=0)
+        if PREFETCH:
+            words = nxt
+            w_ptrs += BLOCK_KW * stride_qk
+            if EVEN_K:  # a scalar mask keeps the loads vectorized; the last step loads nothing
+                nxt = tl.load(w_ptrs, mask=n_mask[:, None] & (w0 + BLOCK_KW < w_end), other=0)
+            else:
+                nxt = tl.load(w_ptrs, mask=n_mask[:, None] & ((offs_w + BLOCK_KW) < w_end)[None, :], other=0)
+        else:
+            words = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask[None, :], other=0)
+            w_ptrs += BLOCK_KW * stride_qk
         s, c = _group_scale(s_ptr, z_ptr, offs_n64, n_mask, offs_w, w_mask, w0, words_per_group,
                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, ONE_GROUP)
         if BLOCK_M == 1:

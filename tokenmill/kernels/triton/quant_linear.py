@@ -406,6 +406,7 @@ class QuantLinearPlan:
     num_warps: int = 4
     num_stages: int = 1
     one_dot: bool = False  # tiled/splitk: unpack the tile to [BLOCK_N, BLOCK_K] and issue one tl.dot
+    prefetch: bool = False  # gemv: load each K step's words one step ahead (`quant_gemv_kernel`'s PREFETCH)
 
 
 def block_k_for(bits: int) -> int:
@@ -500,7 +501,7 @@ def finish_plan(plan: QuantLinearPlan, m: int, n: int, k: int, num_sms: int,
     per = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per)
     return QuantLinearPlan(path, bm, bn, bk, split_k, plan.use_dot, plan.num_warps, plan.num_stages,
-                           plan.one_dot)
+                           plan.one_dot, plan.prefetch)
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -536,7 +537,7 @@ def _launch_matmul(x: torch.Tensor, w: QuantTensors, bias: torch.Tensor | None, 
             BITS=w.bits, HAS_ZEROS=w.qzeros is not None, ONE_GROUP=wpg % block_kw == 0,
             EVEN_K=k % (block_kw * p) == 0, HAS_BIAS=bias is not None,
             PARTIAL=partial, CLAMP_FP16=clamp, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_KW=block_kw,
-            ASM=x.is_cuda,
+            ASM=x.is_cuda, PREFETCH=plan.prefetch,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
     elif plan.path == "dot":

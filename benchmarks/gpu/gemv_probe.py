@@ -1,0 +1,147 @@
+"""Where the int4 GEMV's time goes at one row of x (decode, M = 1), per Llama-3.1-8B linear, on one CUDA GPU.
+
+    python benchmarks/gpu/gemv_probe.py [--json-out probe.json] [--shapes qkv,o,gate_up,down]
+
+For each shape (W4A16, group 128, zero points, bfloat16 x) and each GEMV tile in GRID (rows x packed words
+per K step, warps, register prefetch of the next step) at three split-K counts (programs per SM 8 / 16 / 32),
+three timings, each a CUDA graph of REPS calls over weight copies that together exceed the L2 (as
+`quant_gemm.graph_time_ms`):
+
+- `gemv`: `quant_linear` with that plan (the GEMV kernel + the split-K reduction launch);
+- `load`: a kernel that only streams the same words with the same tile, grid and prefetch and XORs them
+  (the memory side of that access pattern: what the GEMV would take if its arithmetic were free);
+- `reduce`: the split-K reduction launch alone on partials of that shape.
+
+Printed per shape: bf16 F.linear, the default plan, the best `gemv` and the best `load` (us, and the
+fraction of the 4-bit read floor's speed at the H200's 4.8 TB/s), then every config's row. If the best `gemv`
+is far above its `load`, the arithmetic (instructions per value) is the limit; if they are close, the
+access pattern (bytes in flight, launch and tail) is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from quant_gemm import HBM_BYTES_PER_S, L2_BYTES, LLAMA_8B_SHAPES, REPS, graph_time_ms, quant_bytes, random_w4  # noqa: E402
+
+# (block_n rows, words per K step, warps, prefetch)
+GRID = [(32, 16, 1, False), (32, 16, 1, True), (64, 16, 1, False), (64, 8, 1, False), (64, 8, 1, True),
+        (128, 8, 1, False), (128, 8, 1, True), (256, 4, 1, False), (256, 4, 1, True), (128, 4, 1, True),
+        (64, 16, 2, False), (128, 16, 4, False), (32, 32, 1, False), (16, 16, 1, True)]
+PROGRAMS_PER_SM = (8, 16, 32)
+
+
+@triton.jit
+def _load_only_kernel(qw_ptr, out_ptr, N, kw_total, words_per_split, stride_qn, BLOCK_N: tl.constexpr,
+                      BLOCK_KW: tl.constexpr, PREFETCH: tl.constexpr):
+    """XOR of the words a GEMV program of the same tile, grid and prefetch would read; one int32 a program."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    w_start = tl.program_id(1) * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, kw_total)
+    ptrs = qw_ptr + offs_n[:, None] * stride_qn + (w_start + tl.arange(0, BLOCK_KW))[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=n_mask[:, None] & (w_start < w_end), other=0)
+    for w0 in range(w_start, w_end, BLOCK_KW):
+        if PREFETCH:
+            words = nxt
+            ptrs += BLOCK_KW
+            nxt = tl.load(ptrs, mask=n_mask[:, None] & (w0 + BLOCK_KW < w_end), other=0)
+        else:
+            words = tl.load(ptrs, mask=n_mask[:, None], other=0)
+            ptrs += BLOCK_KW
+        acc ^= words
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(tl.ravel(acc), 0))
+
+
+def plan_for(cfg, spm: int, n: int, k: int, sms: int):
+    from tokenmill.kernels.triton.quant_linear import QuantLinearPlan, finish_plan
+
+    bn, kw, warps, pf = cfg
+    return finish_plan(QuantLinearPlan("gemv", 1, bn, kw * 8, 0, False, warps, 1, False, pf), 1, n, k, sms,
+                       programs_per_sm=spm)
+
+
+def probe_shape(name: str, n: int, k: int, dtype: torch.dtype) -> dict:
+    from tokenmill.kernels.triton.quant_linear import quant_linear
+    from tokenmill.kernels.triton.splitk import device_facts, splitk_reduce_kernel
+
+    _, sms = device_facts(torch.device("cuda"))
+    qb = quant_bytes(n, k, 4, 128, True)
+    copies = max(REPS, -(-2 * L2_BYTES // qb))
+    ws = [random_w4(n, k, dtype) for _ in range(copies)]
+    dense = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(max(2, -(-2 * L2_BYTES // (n * k * 2))))]
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    floor_us = qb / HBM_BYTES_PER_S * 1e6
+    row = dict(shape=name, n=n, k=k, floor_us=floor_us,
+               bf16_us=1e3 * graph_time_ms([lambda d=d: F.linear(x, d) for d in dense] * (REPS // len(dense) + 1)),
+               default_us=1e3 * graph_time_ms([lambda w=w: quant_linear(x, w) for w in ws]))
+    ref = quant_linear(x, ws[0], plan=plan_for(GRID[0], 16, n, k, sms)).float()
+    configs = []
+    for cfg in GRID:
+        for spm in PROGRAMS_PER_SM:
+            plan = plan_for(cfg, spm, n, k, sms)
+            bn, kw, warps, pf = cfg
+            y = quant_linear(x, ws[0], plan=plan).float()
+            err = (y - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            per = triton.cdiv(triton.cdiv(k, kw * 8), plan.split_k) * kw
+            sink = torch.empty(triton.cdiv(n, bn) * plan.split_k, dtype=torch.int32, device="cuda")
+            grid = (triton.cdiv(n, bn), plan.split_k)
+            load_calls = [lambda w=w: _load_only_kernel[grid](w.qweight, sink, n, k // 8, per, w.qweight.stride(0),
+                                                              BLOCK_N=bn, BLOCK_KW=kw, PREFETCH=pf, num_warps=warps)
+                          for w in ws]
+            part = torch.randn(plan.split_k, 1, n, device="cuda")
+            out = torch.empty(1, n, device="cuda", dtype=dtype)
+            red_calls = [lambda: splitk_reduce_kernel[(triton.cdiv(n, 1024),)](
+                part, out, out, n, n, SPLIT_K=plan.split_k, HAS_BIAS=False, CLAMP_FP16=False, ROUND=0, BLOCK=1024,
+                num_warps=4)] * REPS
+            configs.append(dict(block_n=bn, block_kw=kw, warps=warps, prefetch=pf, programs_per_sm=spm,
+                                split_k=plan.split_k, rel_err=err,
+                                gemv_us=1e3 * graph_time_ms([lambda w=w, p=plan: quant_linear(x, w, plan=p) for w in ws]),
+                                load_us=1e3 * graph_time_ms(load_calls),
+                                reduce_us=1e3 * graph_time_ms(red_calls) if plan.split_k > 1 else 0.0))
+            c = configs[-1]
+            print(f"  {name:8s} {bn:4d}x{kw:<3d} w{warps} pf{int(pf)} spm{spm:<3d} split {plan.split_k:3d}: gemv "
+                  f"{c['gemv_us']:7.1f} us  load {c['load_us']:7.1f}  reduce {c['reduce_us']:5.1f}  err {err:.1e}",
+                  flush=True)
+    row["configs"] = configs
+    best = min(configs, key=lambda c: c["gemv_us"])
+    best_load = min(configs, key=lambda c: c["load_us"])
+    row.update(best_gemv=best, best_load=best_load)
+    print(f"{name:8s} N {n} K {k}: floor {floor_us:.1f} us | bf16 {row['bf16_us']:.1f} | default {row['default_us']:.1f} "
+          f"({floor_us / row['default_us']:.0%} of floor speed) | best gemv {best['gemv_us']:.1f} "
+          f"({floor_us / best['gemv_us']:.0%}; {best['block_n']}x{best['block_kw']} w{best['warps']} pf{int(best['prefetch'])}"
+          f" spm{best['programs_per_sm']}) | best load-only {best_load['load_us']:.1f} "
+          f"({floor_us / best_load['load_us']:.0%}; {best_load['block_n']}x{best_load['block_kw']} pf{int(best_load['prefetch'])}"
+          f" spm{best_load['programs_per_sm']})", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gemv_probe: no CUDA device")
+        return 2
+    rows = [probe_shape(s, *LLAMA_8B_SHAPES[s], torch.bfloat16) for s in args.shapes.split(",")]
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
