@@ -230,6 +230,14 @@ def test_gemv_prefetch(nan_outputs):
         test_gemv_rows_one_to_three(nan_outputs, bits, group_size, zeros, block_kw, k, prefetch=True)
 
 
+def test_gemv_prefetch_switch_reaches_the_plan(monkeypatch):
+    w = random_quant(64, 256, 4, 128, True, False, device=DEV)
+    assert not ql.plan_quant_linear(1, 64, w, (9, 0), 132).prefetch
+    monkeypatch.setattr(ql, "GEMV_PREFETCH", True)
+    plan = ql.plan_quant_linear(1, 64, w, (9, 0), 132)
+    assert plan.path == "gemv" and plan.prefetch
+
+
 def test_gemv_refuses_act_order_and_the_planner_routes_around_it():
     w = random_quant(8, 64, 4, 32, True, True, device=DEV)
     x = torch.randn(1, 64).to(DEV)

@@ -109,6 +109,9 @@ GEMV_BLOCK_KW = 16
 GEMV_WARPS = 1
 GEMV_STAGES = 1
 GEMV_PROGRAMS_PER_SM = 16
+# Register prefetch of the next K step in the GEMV (`quant_gemv_kernel`'s PREFETCH): off until an H200 run of
+# benchmarks/gpu/gemv_probe.py shows it ahead (not yet measured; offline_bench.py --override can turn it on).
+GEMV_PREFETCH = False
 # GEMV_M_MAX < M <= DOT_M_MAX (cc >= 8.0; 4-bit, no act-order, group size a multiple of DOT_BLOCK_K): the
 # tensor-core GEMV (`quant_dot.py`, PTX dequantization, one tl.dot per K tile). Tiles per M range: (largest M,
 # block_n, warps, stages, programs per SM); block_m is M's power of two, at least 16. H200 sweep
@@ -450,7 +453,8 @@ def plan_quant_linear(m: int, n: int, w: QuantTensors, capability: tuple[int, in
     if m <= gemv and gemv_supported(w.g_idx is not None, w.bits, w.group_size):
         bm = triton.next_power_of_2(m)
         return finish_plan(QuantLinearPlan("gemv", bm, GEMV_BLOCK_N, GEMV_BLOCK_KW * pack_factor(w.bits), 0, False,
-                                           GEMV_WARPS, 1 if cc70 else GEMV_STAGES), m, n, k, num_sms, split_k,
+                                           GEMV_WARPS, 1 if cc70 else GEMV_STAGES, prefetch=GEMV_PREFETCH),
+                           m, n, k, num_sms, split_k,
                            programs_per_sm=max(1, GEMV_PROGRAMS_PER_SM // bm))
     if dot_ok and m <= DOT_M_MAX:
         _, bn, warps, stages, per_sm = next(t for t in DOT_TILES if m <= t[0])
