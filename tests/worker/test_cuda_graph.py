@@ -145,10 +145,87 @@ def test_long_decode_graphs_for_small_batches(monkeypatch):
         runner.graphs[size], runner.outputs[size] = FakeGraph(f"short{size}"), torch.zeros(size, 3)
     runner.long_graphs[2], runner.long_outputs[2] = FakeGraph("long2"), torch.ones(2, 3)
     assert runner.replay(2, max_seq_len=16384).sum() == 0 and replayed[-1] == "short2"
+    assert (runner.num_replays, runner.num_long_replays) == (1, 0)
     assert runner.replay(2, max_seq_len=16385).sum() == 2 * 3 and replayed[-1] == "long2"
+    assert (runner.num_replays, runner.num_long_replays) == (2, 1)
     runner.replay(4, max_seq_len=100000)  # no long graph of that size: the short one (any split count is correct)
     assert replayed[-1] == "short4"
+    assert (runner.num_replays, runner.num_long_replays) == (3, 1)
     short = CUDAGraphRunner(lambda i, p: i, _buffers(n_buf, n_buf), torch.zeros(n_buf, 4, dtype=torch.int32),
                             [torch.empty(2, 1, 16, 8, 128)], None, capture_sizes(n_buf, 16384), max_model_len=8192)
     short._splits = runner._splits
     assert short.long_sizes() == [] and short.metadata(8).max_seq_len == 8192
+
+
+def test_long_graph_split_count_is_eagers_at_its_own_size(monkeypatch):
+    """A long graph is captured with max_seq_len = max_model_len; an eager decode step of the same number of
+    requests with its longest sequence anywhere in (LONG_DECODE_SEQ, max_model_len] picks the same split count
+    (max_seq_len // 256 is >= the cap of 64 there), so graph and eager run the same attention (the GPU test
+    tests/gpu/test_cuda_graphs.py::test_long_context_decode_graph_matches_eager relies on it). A padded step
+    (fewer requests than the graph's size) may split differently: correct too, only rounded differently."""
+    from tokenmill.kernels.triton import attention_config
+
+    monkeypatch.setattr(attention_config, "_num_sms", lambda index: 132)  # an H200
+    cuda = torch.device("cuda", 0)
+    long_seq = attention_config.LONG_DECODE_SEQ
+    for max_model_len in (long_seq + 256, 131072):
+        for kv_heads in (1, 2, 8):
+            runner = CUDAGraphRunner(lambda i, p: i, _buffers(512, 512), torch.zeros(512, 4, dtype=torch.int32),
+                                     [torch.empty(2, 1, 16, kv_heads, 128)], None, capture_sizes(512, 16384),
+                                     max_model_len=max_model_len)
+            runner._splits = lambda device, *a: attention_config.choose_num_splits(cuda, *a)
+            sizes = runner.long_sizes()
+            assert sizes and sizes[0] == 1
+            for size in sizes:
+                graph = attention_config.choose_num_splits(cuda, 1, size, kv_heads, max_model_len)
+                for seq in (long_seq + 1, (long_seq + max_model_len) // 2, max_model_len):
+                    assert attention_config.choose_num_splits(cuda, 1, size, kv_heads, seq) == graph, (size, seq)
+    # 8 kv heads, 9 requests replay the graph of 16: 8 splits eager, 5 in the graph.
+    assert attention_config.choose_num_splits(cuda, 1, 9, 8, 20000) == 8
+    assert attention_config.choose_num_splits(cuda, 1, 16, 8, 131072) == 5
+
+
+class _RecordingGraphs:
+    """Stands in for the runner's CUDAGraphRunner: records what the runner asks to replay, replays nothing
+    (None: the step then runs eagerly)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def replay(self, num_reqs: int, max_seq_len: int = 0):
+        self.calls.append(("decode", num_reqs, max_seq_len))
+
+    def replay_mixed(self, num_reqs: int, num_tokens: int):
+        self.calls.append(("mixed", num_reqs, num_tokens))
+
+
+def test_runner_asks_for_the_graph_of_its_step():
+    """ModelRunner.execute_model: a decode step asks for the decode graph of (num_reqs, its longest sequence,
+    which picks the long graph past LONG_DECODE_SEQ), a step with prefill tokens for the mixed graph of
+    (num_reqs, tokens), a step past max_seq_len_to_capture for none; with no graph it runs eagerly."""
+    from tiny_runner import make_tiny_runner
+
+    from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    def step(new=(), cached=(), sched=None):
+        c = CachedRequestData()
+        for rid, nc in cached:
+            c.req_ids.append(rid)
+            c.new_block_ids.append([])
+            c.num_computed_tokens.append(nc)
+        return SchedulerOutput(list(new), c, dict(sched), sum(sched.values()), set())
+
+    runner = make_tiny_runner()
+    graphs = runner.cuda_graphs = _RecordingGraphs()
+    greedy = SamplingParams(temperature=0.0)
+    out = runner.execute_model(step(new=[NewRequestData("a", list(range(3, 14)), [], greedy, list(range(8)), 0),
+                                         NewRequestData("b", [5, 6, 7], [], greedy, [8, 9], 0)],
+                                    sched={"a": 11, "b": 3}))
+    assert graphs.calls == [("mixed", 2, 14)]
+    assert len(out.sampled_token_ids[0]) == 1  # the eager fallback ran
+    runner.execute_model(step(cached=[("a", 11), ("b", 3)], sched={"a": 1, "b": 1}))
+    assert graphs.calls[-1] == ("decode", 2, 12)  # the longest sequence: a's 11 + 1
+    runner.config.device_config.max_seq_len_to_capture = 12
+    runner.execute_model(step(cached=[("a", 12), ("b", 4)], sched={"a": 1, "b": 1}))  # a reaches 13 > 12
+    assert len(graphs.calls) == 2

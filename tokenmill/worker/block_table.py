@@ -93,6 +93,15 @@ class BlockTable:
 
             rows [2, 0], blocks per row {0: 3, 2: 1}, quantum 2 -> cols 4:
             block_table[0, :4] = table[2, :4]; block_table[1, :4] = table[0, :4]
+
+        On CUDA the rows go through one pinned staging buffer, reused by
+        every call, and a non_blocking copy that reads it only when the
+        stream gets there: the caller must not call `commit` again before
+        this call's copies ran, or they would carry the next call's block
+        ids (the wrong KV blocks, silently). `InputBatch.prepare_inputs`,
+        the only caller, waits on an event recorded after the copies before
+        it writes any staging buffer (worker/input_batch.py, "Staging
+        buffers").
         """
         n = len(rows)
         used = int(self.num_blocks_per_row[rows].max()) if n else 0

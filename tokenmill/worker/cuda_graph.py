@@ -149,7 +149,8 @@ class CUDAGraphRunner:
         self.max_reqs = block_table.shape[0]  # block-table rows (max_num_seqs)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_outputs: dict[int, torch.Tensor] = {}
-        self.num_replays = 0
+        self.num_replays = 0  # decode replays, long ones included
+        self.num_long_replays = 0  # decode replays of a long graph (`replay`)
         self.num_mixed_replays = 0
         device = buffers["input_ids"].device
         # 1..max_size+1 as int32, to write padding requests' query_start_loc without a host copy.
@@ -298,11 +299,13 @@ class CUDAGraphRunner:
         if size is None or size not in self.graphs:
             return None
         graphs, outputs = self.graphs, self.outputs
-        if max_seq_len > self.long_seq and size in self.long_graphs:
+        long = max_seq_len > self.long_seq and size in self.long_graphs
+        if long:
             graphs, outputs = self.long_graphs, self.long_outputs
         self.pad_decode_inputs(num_reqs, size)
         graphs[size].replay()
         self.num_replays += 1
+        self.num_long_replays += int(long)
         return outputs[size][:num_reqs]
 
     def replay_mixed(self, num_reqs: int, num_tokens: int) -> torch.Tensor | None:

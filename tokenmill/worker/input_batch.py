@@ -16,10 +16,32 @@ ids reached the host. A scheduled position equal to `num_tokens[row]` is
 then such a token; its input id is copied on the device from the previous
 step's sampled-ids tensor (`set_pending` records which row sampled which
 entry; `append_sampled_ids` writes the ids into `token_ids` once read back).
+
+Staging buffers: each step's inputs are written into ONE set of pinned host
+buffers (`_host`, and each `BlockTable`'s `_staging`), then copied to the
+device with non_blocking copies that read the host memory only when the
+stream reaches them. A step must therefore not rewrite them before the
+previous step's copies ran. Nothing else guarantees that: a step in which
+nobody samples returns without a host wait, and under async scheduling
+(engine/core.py `_step_async`) step N+1 is prepared after the engine waited
+only for step N-1's results, while step N's copies may still sit in the
+stream behind them. So `prepare_inputs` waits, before its first write, on
+`_copies_done`, an event recorded right after the last copy of the previous
+step (`_commit_block_table`); vLLM's model runner does the same
+(`synchronize_input_prep`, its `prepare_inputs_event`). In the steady
+async loop the wait should be short (from the order, not measured): step
+N's copies are queued right behind step N-1's results, which the engine
+has already waited for. The sampling
+metadata and grammar bitmask are copied from fresh pageable arrays (the
+driver stages those before the call returns), and the results' pinned
+buffer is allocated per step, so they need no such wait.
+tests/worker/test_input_batch.py checks the order (CPU, a fake event) and
+that a busy stream does not let step N+1 clobber step N's inputs (GPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -58,6 +80,9 @@ class InputBatch:
         vocab_size: logits width (for the sampler's masks).
         device: where step tensors go.
         pin_memory: pinned staging buffers (CUDA).
+        copy_event: makes the event recorded after each step's host->device copies and waited on before the
+            next step rewrites the staging buffers (module docstring); None: `torch.cuda.Event` on CUDA, no
+            event elsewhere (CPU copies are synchronous). Tests pass a fake.
     """
 
     def __init__(
@@ -70,6 +95,7 @@ class InputBatch:
         device: torch.device,
         pin_memory: bool,
         two_groups: bool = False,
+        copy_event: Callable[[], torch.cuda.Event] | None = None,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -112,9 +138,11 @@ class InputBatch:
         # (name, n) -> (host[:n], device[:n]) for n <= max_num_reqs + 1 (decode-sized
         # steps): a torch slice costs ~2 us, and a step takes ~20 of them.
         self._views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # CUDA: recorded after a step's host->device copies from the pinned staging buffers.
-        # The next step waits on it before rewriting them: a step in which no request
-        # samples ends without any host wait, so its copies may still be queued.
+        # Recorded after a step's host->device copies from the staging buffers; the next step waits on it
+        # before rewriting them (module docstring, "Staging buffers").
+        if copy_event is None and device.type == "cuda":
+            copy_event = torch.cuda.Event
+        self._copy_event = copy_event
         self._copies_done: torch.cuda.Event | None = None
         self._max_cached_view = r + 1
         # Async scheduling: per row, the step id and entry of a sampled id not yet read back (-1: none).
@@ -239,7 +267,9 @@ class InputBatch:
         if num_reqs and not (counts > 0).all():  # ids with no tokens are not part of the step
             return self.prepare_inputs({r: n for r, n in num_scheduled.items() if n > 0})
         if self._copies_done is not None:
-            self._copies_done.synchronize()  # the last step's copies have read the staging buffers
+            # Before the first write to a staging buffer: the last step's copies have read them (module
+            # docstring, "Staging buffers"; without this wait, async scheduling can clobber a queued step).
+            self._copies_done.synchronize()
             self._copies_done = None
         rows, order = self._scheduled_rows(num_scheduled)
         total = int(counts.sum())
@@ -351,13 +381,14 @@ class InputBatch:
         input_ids.index_copy_(0, staged[0], sampled.index_select(0, staged[1]).to(input_ids.dtype))
 
     def _commit_block_table(self, rows: np.ndarray) -> torch.Tensor:
-        """The block table rows on the device (and the sliding-window group's, kept in `_swa_table`); on CUDA,
-        then mark the step's staged copies."""
+        """The block table rows on the device (and the sliding-window group's, kept in `_swa_table`); then
+        mark the step's staged copies (on CUDA). The step's last copy from a staging buffer: every other one
+        is issued before this call."""
         table = self.block_table.commit(rows)
         if self.block_table_swa is not None:
             self._swa_table = self.block_table_swa.commit(rows)
-        if self.device.type == "cuda":
-            self._copies_done = torch.cuda.Event()
+        if self._copy_event is not None:
+            self._copies_done = self._copy_event()
             self._copies_done.record()
         return table
 
