@@ -16,6 +16,19 @@ Printed per shape: bf16 F.linear, the default plan, the best `gemv` and the best
 fraction of the 4-bit read floor's speed at the H200's 4.8 TB/s), then every config's row. If the best `gemv`
 is far above its `load`, the arithmetic (instructions per value) is the limit; if they are close, the
 access pattern (bytes in flight, launch and tail) is.
+
+Prediction, written before the first run (session 14, from the sm_90a SASS of `quant_gemv_kernel` compiled
+here on the CPU; Triton 3.6): the K loop issues 4.5-4.9 instructions per 4-bit value (32 x 16-word tile:
+613 a step per thread: 164 FFMA, 131 LOP3, 101 SHF + ~80 IMAD used as shifts, 38 loads of which 32 are scalar
+2-byte loads of x). Issue-bound ceiling on an H200 (132 SMs x 4 schedulers x 1.98 GHz x 32 lanes =
+3.3e13 lane-instructions/s) at 4.7 a value: 7.1e12 values/s, 74% of the 4.8 TB/s floor's 9.6e12. Measured
+(session 8): 22-35%. A serial model, each warp waiting ~1 us for a step's words and then issuing its ~613
+instructions while ~3.4 other warps share its scheduler (gate_up, 32 x 16 words, split 2: 13.6 one-warp
+programs an SM, 16 steps each), gives 16 x (~2,000 + ~2,100) cycles = ~33 us against the measured 36.6; with
+the next step's words in flight during the arithmetic (PREFETCH: the compiled loop issues them before its
+first FFMA) it gives ~17 us. So predicted: the load-only kernel far faster than the GEMV (~13-15 us on
+gate_up), prefetch ~1.5-2x on the long-K-loop shapes (gate_up, down) and little on qkv / o (split 11-16: 2-3
+steps a program, nothing to overlap), where the split-K reduction's launch (a few us) is a large share.
 """
 
 from __future__ import annotations
