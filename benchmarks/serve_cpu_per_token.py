@@ -132,7 +132,9 @@ def run_once(args, peer, port: int, api: int, core: int, log: Path, tmp: Path, p
     wall = end[0] - start[0]
     # Cores the machine's other processes kept busy meanwhile (what the thread governor should react to).
     others = (end[4] - start[4] - sum(sum(b) - sum(a) for a, b in zip(start[1:4], end[1:4]))) / wall
-    threads = [ln.split("CPU threads", 1)[1].split(":")[0].strip()
+    # "HH:MM:SS 2 -> 1 (others 1.0)" per thread change the governor logged during the run
+    threads = [f"{ln.split()[2][:8]} {ln.split('CPU threads', 1)[1].split(':')[0].strip()} (others "
+               f"{ln.split('kept ', 1)[1].split()[0]})"
                for ln in log.read_text().splitlines()[log_lines:] if "CPU threads" in ln]
     print(f"{res['output_throughput']:.1f} tok/s  TPOT median {res['median_tpot_ms']:.2f} ms  "
           "CPU ms/token (user+sys): " + "  ".join(f"{name} {u + s_:.2f} ({u:.2f}+{s_:.2f})" for name, (u, s_)
