@@ -46,6 +46,20 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """utime + stime seconds of each thread of `pid`, keyed "tid name"."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = tail.split()
+        out[f"{tid} {head.split('(', 1)[1]}"] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
 def busy_s() -> float:
     """Non-idle CPU seconds of the whole machine since boot (/proc/stat's first line)."""
     with open("/proc/stat", encoding="ascii") as f:
@@ -71,6 +85,7 @@ def main() -> None:
                    "(.txt: collapsed stacks, else an SVG)")
     p.add_argument("--profile-api", metavar="PATH", help="the same for the API server process")
     p.add_argument("--py-spy", default="py-spy")
+    p.add_argument("--core-threads", action="store_true", help="also the engine core's busiest threads")
     p.add_argument("--server-log", help="copy the server's log here at the end")
     args = p.parse_args()
     peer = ALL_PEERS[args.peer]
@@ -114,12 +129,14 @@ def run_once(args, peer, port: int, api: int, core: int, log: Path, tmp: Path, p
     for line in client.stdout:
         if line.startswith("Benchmarking") and start is None:
             start = (time.monotonic(), cpu_s(core), cpu_s(api), cpu_s(client.pid), busy_s())
+            core_threads = thread_cpu_s(core)
             spies = [subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-o", path, "-r", "250", "--nonblocking", "--gil",
                                        "--format", "raw" if path.endswith(".txt") else "flamegraph"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for pid, path in profile.items()]
         elif "Serving Benchmark Result" in line and end is None:
             end = (time.monotonic(), cpu_s(core), cpu_s(api), cpu_s(client.pid), busy_s())
+            core_threads = {k: v - core_threads.get(k, 0.0) for k, v in thread_cpu_s(core).items()}
             for spy in spies:
                 spy.send_signal(2)
                 spy.wait()
@@ -141,6 +158,9 @@ def run_once(args, peer, port: int, api: int, core: int, log: Path, tmp: Path, p
                                                     in zip(("core", "api", "client"), ms)) + "  "
           f"({tokens} tokens in {wall:.1f} s, load {load:.2f}, other processes {others:.2f} cores) "
           f"threads {threads or '-'}", flush=True)
+    if args.core_threads:
+        busiest = sorted(core_threads.items(), key=lambda kv: -kv[1])[:4]
+        print("  engine core threads, CPU ms/token: " + ", ".join(f"{k} {1000 * v / tokens:.2f}" for k, v in busiest))
 
 
 if __name__ == "__main__":
