@@ -18,6 +18,7 @@ from tokenmill.engine.messages import (
     SchedulerStats,
     decode_outputs,
     decode_request,
+    encode_obj,
     encode_outputs,
     encode_request,
 )
@@ -163,3 +164,62 @@ def test_engine_core_wait_policy_default_keeps_the_users_choice(user, expected):
     environ = dict(user)
     set_omp_wait_default(environ)
     assert environ == expected
+
+
+def test_reader_takes_a_backlog_in_batches_and_wakes_for_each_later_message():
+    """The reader callback drains a queue longer than one batch over several loop turns (zmq's fd signals
+    once for all of it) and is woken again by each message that arrives once the queue is empty."""
+    import types
+
+    import zmq
+
+    from tokenmill.frontend import core_client
+
+    async def run() -> None:
+        client = EngineCoreClient(types.SimpleNamespace(), num_threads=1)  # no process: a socket plays the core
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(client.output_addr)
+        flushes: list[int] = []
+        got = Collector()
+        try:
+            backlog = 2 * core_client._MAX_BATCH + 3
+            for i in range(backlog):  # queued before the reader starts
+                push.send_multipart([MessageKind.OUTPUTS, encode_outputs(EngineCoreOutputs(
+                    [EngineCoreOutput("a", [i])], scheduler_stats=SchedulerStats(num_steps=i)))])
+            await asyncio.sleep(0.2)  # let the ipc connection deliver them
+            client.start_reader(got, lambda: flushes.append(len(got.tokens.get("a", []))))
+            await _wait_for(lambda: len(got.tokens.get("a", [])) == backlog)
+            assert got.tokens["a"] == list(range(backlog))
+            assert flushes[:3] == [16, 32, backlog]  # one flush per batch of at most _MAX_BATCH
+            assert got.stats.num_steps == backlog - 1
+            for i in range(3):  # one at a time, each after the reader went idle
+                push.send_multipart([MessageKind.OUTPUTS, encode_outputs(EngineCoreOutputs(
+                    [EngineCoreOutput("b", [i])]))])
+                await _wait_for(lambda: len(got.tokens.get("b", [])) == i + 1)
+            assert got.tokens["b"] == [0, 1, 2]
+            push.send_multipart([MessageKind.FATAL, encode_obj("boom")])
+            await _wait_for(lambda: not client.reader_running)
+            assert got.fatal == "boom" and client.dead_reason == "boom"
+        finally:
+            push.close(linger=0)
+            ctx.term()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_core_killed_without_a_word_is_reported_by_the_reader():
+    async def run() -> None:
+        client = EngineCoreClient(make_config(), num_threads=1, core_class=FAKE)
+        await client.start(timeout_s=120)
+        got = Collector()
+        client.start_reader(got)
+        try:
+            client._proc.kill()
+            await _wait_for(lambda: got.fatal is not None)
+            assert "exited (exit code -9)" in got.fatal and not client.reader_running
+        finally:
+            client.shutdown()
+
+    asyncio.run(run())

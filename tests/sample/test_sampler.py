@@ -160,12 +160,13 @@ def test_sampling_follows_the_distribution(temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_cols", [256, 257, 385, 1000, 49152])
 @pytest.mark.parametrize("sliced", [False, True])
-def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_cols, sliced):
+@pytest.mark.parametrize("num_rows", [8, 12])  # float32, contiguous: the NumPy path up to 8 rows, chunks above
+def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_cols, sliced, num_rows):
     from tokenmill.sample.ops import argmax_rows
 
     g = torch.Generator().manual_seed(num_cols)
     # sliced: rows of a wider buffer (a padded vocabulary), not contiguous
-    x = torch.randn(8, num_cols + 24 * sliced, generator=g).to(dtype)[:, :num_cols]
+    x = torch.randn(num_rows, num_cols + 24 * sliced, generator=g).to(dtype)[:, :num_cols]
     top = x.max() + 1
     x[1, num_cols - 1] = top  # the maximum in the last chunk's last column
     x[2, 0] = top  # ties: the first occurrence wins
@@ -177,11 +178,26 @@ def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_col
     x[6, :] = float("-inf")  # every token banned
     x[7, 130] = top  # a tie between two chunks after the first
     x[7, 255] = top
+    if num_rows > 8:
+        x[8, 200] = x[8, 7] = float("nan")  # two NaNs: the first one
     got = argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[2] == 0 and got[3] == 0 and got[6] == 0 and got[7] == 130
     assert got[1] == num_cols - 1
+    if num_rows > 8:
+        assert got[8] == 7
+
+
+def test_argmax_rows_numpy_path_takes_one_row_of_inference_logits():
+    """The served decode case: one float32 row made under inference mode (the sampler's input)."""
+    from tokenmill.sample.ops import argmax_rows
+
+    with torch.inference_mode():
+        x = torch.randn(1, 49152, generator=torch.Generator().manual_seed(1))
+        x[0, 40000] = 100.0
+        got = argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == (1,) and int(got[0]) == 40000
 
 
 def test_argmax_rows_falls_back_for_short_rows_and_other_layouts():

@@ -41,6 +41,24 @@ def test_threads_drop_with_a_hog_and_come_back(monkeypatch):
     assert gov.step() == 2 and set_calls == [1, 2]  # the hog left
 
 
+def test_other_processes_work_while_the_engine_idles_does_not_count(monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    set_calls: list[int] = []
+    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", set_calls.append)
+    gov = cpu_threads.CpuThreadGovernor(max_threads=2, interval_s=1.0)
+    gov.cpus = {0, 1}
+    clocks.tick(1.5, ours=2.0, others=0.0)
+    assert gov.step() == 2
+    clocks.tick(4.0, ours=0.02, others=1.0)  # no step for 4 s: a client starts up (imports, tokenizer)
+    assert gov.step() == 2 and set_calls == []  # that window is dropped, not read as a hog
+    clocks.tick(1.1, ours=1.9, others=0.05)  # the client's requests: a little CPU beside our steps
+    assert gov.step() == 2 and set_calls == []
+    clocks.tick(3.0, ours=1.2, others=0.8)  # one long step under a real hog: our own CPU shows we ran
+    assert gov.step() == 1 and set_calls == [1]
+    clocks.tick(4.0, ours=0.0, others=1.0)  # idle again: the count stays as it was
+    assert gov.step() == 1 and set_calls == [1]
+
+
 def test_never_above_the_configured_count_nor_below_one(monkeypatch):
     clocks = _Clocks(monkeypatch)
     monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: None)

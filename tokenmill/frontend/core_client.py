@@ -175,35 +175,73 @@ class EngineCoreClient:
         self._reader = loop.create_task(self._read_loop(handler, flush), name="tokenmill-core-reader")
 
     async def _read_loop(self, handler: Handler, flush: Flush | None = None) -> None:
-        while True:
-            if not await self._out.poll(_POLL_MS):
-                if self._proc is not None and not self._proc.is_alive():
-                    self._mark_dead(handler, f"The engine core process exited (exit code {self._proc.exitcode}).")
-                    return
-                continue
-            messages = [await self._out.recv_multipart()]
-            while len(messages) < _MAX_BATCH:
-                try:  # a done future when a message is queued: no event-loop turn
-                    messages.append(await self._out.recv_multipart(flags=zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-            for kind, payload in messages:
-                if kind == MessageKind.OUTPUTS:
-                    obj: Any = decode_outputs(payload)
-                else:
-                    obj = decode_obj(payload)
-                if kind == MessageKind.FATAL:
-                    self._flush(flush)
-                    self._mark_dead(handler, str(obj))
-                    return
-                try:
-                    handler(kind, obj)
-                except Exception:
-                    logger.exception("error while handling an engine-core message")
-            self._flush(flush)
-            # Let the streams send what the flush gave them before the next batch
-            # (a ready socket would otherwise keep this task running).
-            await asyncio.sleep(0)
+        """Read through an event-loop reader callback on the socket's fd; this task only watches the process.
+
+        The callback receives with the plain (synchronous) socket. At low
+        concurrency one message comes per decode step and finds the loop
+        idle; zmq.asyncio's poll and recv futures, the poll's timer, the
+        `zmq.Again` that ended each batch and a `sleep(0)` cost 180-240 us
+        of loop-thread CPU per message, this 45-70 us
+        (benchmarks/zmq_reader_cpu.py) -- CPU the engine core's threads
+        share on a small machine.
+
+        zmq's fd is edge-triggered: it signals when the socket's events may
+        have changed, so every callback receives until `zmq.EVENTS` shows no
+        message (then the next one signals again), or hands the rest of a
+        full batch to a callback of the next loop turn (which lets the
+        streams send what this batch gave them first).
+        """
+        loop = asyncio.get_running_loop()
+        sock = zmq.Socket.shadow(self._out.underlying)
+        fd = sock.get(zmq.FD)
+        ended: asyncio.Future = loop.create_future()  # result: dead; exception: the reader failed
+
+        def drain() -> None:
+            if ended.done():
+                return
+            try:
+                messages = []
+                while len(messages) < _MAX_BATCH and sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    messages.append(sock.recv_multipart(zmq.NOBLOCK))
+                if len(messages) == _MAX_BATCH:
+                    loop.call_soon(drain)
+                if messages and not self._dispatch(messages, handler, flush):
+                    ended.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - ends the reader as an exception in the old task did
+                ended.set_exception(exc)
+
+        # Replaces zmq.asyncio's own callback on this fd (start() used it; nothing awaits the socket now).
+        loop.add_reader(fd, drain)
+        try:
+            drain()  # what arrived before the callback was registered
+            while not ended.done():
+                await asyncio.wait([ended], timeout=_POLL_MS / 1000)
+                if not ended.done() and self._proc is not None and not self._proc.is_alive():
+                    drain()  # a FATAL sent just before the exit comes first
+                    if not ended.done():
+                        self._mark_dead(handler, f"The engine core process exited (exit code {self._proc.exitcode}).")
+                        return
+            ended.result()  # re-raise a reader failure
+        finally:
+            loop.remove_reader(fd)
+
+    def _dispatch(self, messages: list[list[bytes]], handler: Handler, flush: Flush | None) -> bool:
+        """Decode and hand `messages` to `handler`, then flush; False after a FATAL (the reader stops)."""
+        for kind, payload in messages:
+            if kind == MessageKind.OUTPUTS:
+                obj: Any = decode_outputs(payload)
+            else:
+                obj = decode_obj(payload)
+            if kind == MessageKind.FATAL:
+                self._flush(flush)
+                self._mark_dead(handler, str(obj))
+                return False
+            try:
+                handler(kind, obj)
+            except Exception:
+                logger.exception("error while handling an engine-core message")
+        self._flush(flush)
+        return True
 
     @staticmethod
     def _flush(flush: Flush | None) -> None:

@@ -7,6 +7,7 @@ min_p = 0, neutral penalties) leave a row unchanged.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -80,6 +81,8 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 # Columns per chunk of `argmax_rows`' first pass.
 _ARGMAX_CHUNK = 128
+# Up to this many float32 rows, `argmax_rows` on the CPU is one NumPy argmax (see there).
+_NUMPY_ARGMAX_MAX_ROWS = 8
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -94,11 +97,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     occurrence, so ties resolve as torch's argmax does. Other devices, rows
     shorter than two chunks and rows whose columns are not contiguous call
     `argmax` directly. Returns [S] int64.
+
+    Up to `_NUMPY_ARGMAX_MAX_ROWS` contiguous float32 rows on the CPU (decode
+    at low concurrency) take NumPy's argmax instead, which is vectorized and
+    resolves ties and NaN the same way: one call where the chunked path makes
+    seven torch ops. Right after a decode step the interpreter's and torch's
+    code is out of the caches (the step streams ~96 MB of weights), so each
+    op then costs 30-60 us: served SmolLM2 Q4_1 at one row, the greedy
+    sampler took ~250 us of thread CPU a step this way against ~50 with NumPy
+    (benchmarks/engine_step_overhead.py). Past a few rows the chunked path's
+    threads win (64 rows, two threads: 0.39 vs 0.49 ms).
     """
     num_rows, num_cols = x.shape
     num_chunks = num_cols // _ARGMAX_CHUNK
     if x.device.type != "cpu" or num_chunks < 2 or x.stride(-1) != 1:
         return x.argmax(dim=-1)
+    if x.dtype == torch.float32 and num_rows <= _NUMPY_ARGMAX_MAX_ROWS and x.is_contiguous():
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
     body = num_chunks * _ARGMAX_CHUNK
     chunk_max = x[:, :body].view(num_rows, num_chunks, _ARGMAX_CHUNK).amax(dim=-1)
     if body < num_cols:  # the tail is one more (shorter) chunk

@@ -17,6 +17,16 @@ and our parent's, the front end's)
 and sets `torch.set_num_threads(round(cpus - others))`, clamped to
 [1, max_threads]. Linux only (elsewhere it keeps max_threads);
 TOKENMILL_CPU_ADAPTIVE_THREADS=0 turns it off.
+
+A window that spans an idle engine (no step for longer than `interval_s`
+and less than half a core of our own CPU over the window) measures what
+other processes did while nothing of ours ran: it starts a new window and
+changes nothing. Served at concurrency 1 on the quiet 2-core box, the
+first step of each benchmark run otherwise went 2 -> 1 thread on the bench
+client's start-up (imports, tokenizer, prompt sampling) in the idle seconds
+before its first request, and back to 2 a second later
+(benchmarks/serve_cpu_per_token.py: "other processes 0.00 cores" over the
+run, yet "CPU threads 2 -> 1", "1 -> 2").
 """
 
 from __future__ import annotations
@@ -72,10 +82,12 @@ class CpuThreadGovernor:
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self.threads = self.max_threads
         self._last = (time.monotonic(), _busy_seconds(self.cpus), _own_seconds())
+        self._last_call = self._last[0]  # monotonic time of the previous step()
 
     def step(self) -> int:
         """Re-estimate at most once per interval; returns the thread count in force."""
         now = time.monotonic()
+        last_call, self._last_call = self._last_call, now
         last_time, last_busy, last_own = self._last
         if now - last_time < self.interval_s or last_busy is None:
             return self.threads
@@ -83,6 +95,8 @@ class CpuThreadGovernor:
         self._last = (now, busy, own)
         if busy is None:
             return self.threads
+        if now - last_call > self.interval_s and (own - last_own) / (now - last_time) < 0.5:
+            return self.threads  # the engine was idle through most of the window (see the module docstring)
         others = max(0.0, ((busy - last_busy) - (own - last_own)) / (now - last_time))  # cores, averaged
         target = min(self.max_threads, max(1, round(len(self.cpus) - others)))
         if target != self.threads:
