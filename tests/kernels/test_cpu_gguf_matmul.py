@@ -70,6 +70,32 @@ def test_matmul_float32(lib, qtype, num_tokens):
     _check_product(gguf_matmul.matmul(lib, blocks, qtype, k, x), x, reference(blocks, qtype, k))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("k", [32, 576, 1056])
+def test_one_token_gathered_scales_path(lib, qtype, k):
+    # One-token rows of the one-scale 32-weight types take row_dot1_small (scales gathered 16 chunks at a time):
+    # 1, 18 and 33 chunks (a partial gather, an odd last chunk). 5 tokens: a 4-token pass, then a 1-token one.
+    # The general path (gguf_gather_scales = 0) must stay right too; both within the float32 bound.
+    import ctypes
+
+    blocks = random_rows(qtype, 23, k, seed=k)
+    w = reference(blocks, qtype, k)
+    flag = ctypes.c_int.in_dll(lib, "gguf_gather_scales")
+    assert flag.value == 1
+    for num_tokens in (1, 5):
+        x = torch.randn(num_tokens, k, generator=torch.Generator().manual_seed(num_tokens))
+        got = gguf_matmul.matmul(lib, blocks, qtype, k, x)
+        _check_product(got, x, w)
+        try:
+            flag.value = 0
+            general = gguf_matmul.matmul(lib, blocks, qtype, k, x)
+        finally:
+            flag.value = 1
+        _check_product(general, x, w)
+        if num_tokens == 5:  # its 4-token pass is the same code either way
+            assert torch.equal(got[:4], general[:4])
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_matmul_bfloat16_strided_x_and_out_slice(lib, qtype):
     k, n = 256, 20

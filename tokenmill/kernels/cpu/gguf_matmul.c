@@ -33,7 +33,15 @@
  * Speed: with AVX-512 each 32-weight chunk becomes two 16-lane float vectors
  * (byte -> int32 widening, nibble mask / shift, convert, scale) that are FMA'd
  * against up to TOKENS_PER_PASS token rows at once, so a chunk is decoded once
- * per pass, not once per token. Without AVX-512 the same chunks are decoded
+ * per pass, not once per token. One token (decode at concurrency 1) of the
+ * one-scale 4/5-bit types (Q4_0, Q4_1, Q5_0, Q5_1) takes row_dot1_small, which
+ * converts 16 chunks' float16 scales (and offsets) with one gather each and
+ * adds the offsets' term m * sum(x) as one 16-lane FMA per 16 chunks: on the
+ * Intel Xeon (AVX-512, 2 cores) of session 14 the per-chunk scalar
+ * conversions, register broadcasts and the offset sum were most of the loop,
+ * and SmolLM2's 66 MB of Q4_1 went from 3.6 to 6.8 GB/s on one thread
+ * (benchmarks/gguf_matmul_bench.py). Q8_0, already streaming at ~17 GB/s,
+ * keeps row_dot. Without AVX-512 the same chunks are decoded
  * into a float[32] by plain loops (which the compiler vectorizes as it can).
  * Rows are shared by OpenMP threads (torch's libgomp, see build.py).
  */
@@ -46,6 +54,10 @@
 #endif
 
 #define PARALLEL_MIN 65536
+
+/* 1: one-token rows of the one-scale 32-weight types take row_dot1_small (gathered scales); 0: the general
+ * row_dot. A global for A/B timing in one process (benchmarks/gguf_matmul_bench.py). */
+int gguf_gather_scales = 1;
 #define TOKENS_PER_PASS 4
 #define ROW_TILE 16
 
@@ -279,6 +291,70 @@ static inline void chunk_vec(int type, const uint8_t *row, int64_t c, __m512 *w0
 }
 #endif
 
+#if defined(TM_AVX512)
+/* Bytes per 32-weight block of the one-scale 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); 0 for others. */
+#define SMALL_BLOCK_BYTES(type) \
+    ((type) == Q4_0 ? 18 : (type) == Q4_1 ? 20 : (type) == Q5_0 ? 22 : (type) == Q5_1 ? 24 : (type) == Q8_0 ? 34 : 0)
+
+/* The float16 at byte `off` of the blocks c0 .. c0 + 15 of a row of `bb`-byte blocks, as float32 (one gather of
+ * 32-bit words and one conversion instead of 16 scalar ones); lanes c0 + i >= chunks give 0. The 4-byte read at
+ * `off` stays inside its block (off + 4 <= bb). */
+static inline __m512 gather_f16(const uint8_t *row, int64_t c0, int64_t chunks, int bb, int off) {
+    const __mmask16 live = tail_mask(chunks - c0);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)c0),
+                                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                              13, 14, 15)),
+                                           _mm512_set1_epi32(bb));
+    const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, row + off, 1);
+    return _mm512_maskz_mov_ps(live, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
+}
+
+/* One token (M = 1) of a row of a one-scale 32-weight type: d_c * (q_c . x_c) per chunk as in row_dot, but the
+ * chunks' scales come 16 at a time from `gather_f16` (a scalar conversion and a register broadcast per chunk was
+ * most of the loop's work), and the offsets' term sum_c m_c * xsum_c is one 16-lane FMA per 16 chunks. Same
+ * products as row_dot's; the float32 sums are added in another order. Returns the row's dot product. */
+static inline __attribute__((always_inline)) float row_dot1_small(const int type, const uint8_t *row, int64_t k,
+                                                                   const float *x, const float *xsum) {
+    const int64_t chunks = k / 32;
+    const int bb = SMALL_BLOCK_BYTES(type);
+    __m512 accA = _mm512_setzero_ps(), accB = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    float dbuf[16];
+    for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
+        _mm512_storeu_ps(dbuf, gather_f16(row, c0, chunks, bb, 0));
+        if (HAS_OFFSET(type))
+            macc = _mm512_fmadd_ps(gather_f16(row, c0, chunks, bb, 2),
+                                   _mm512_maskz_loadu_ps(tail_mask(chunks - c0), xsum + c0), macc);
+        const int64_t n = chunks - c0 < 16 ? chunks - c0 : 16;
+        int64_t i = 0;
+        for (; i + 1 < n; i += 2) { /* two chains (even and odd chunks) hide the FMA latency */
+            __m512 q0, q1, p0, p1;
+            float d, m;
+            chunk_qvec(type, row, c0 + i, &q0, &q1, &d, &m); /* d, m unused here: the compiler drops them */
+            chunk_qvec(type, row, c0 + i + 1, &p0, &p1, &d, &m);
+            const float *xc = x + 32 * (c0 + i);
+            accA = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]),
+                                   _mm512_fmadd_ps(q1, _mm512_loadu_ps(xc + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xc))),
+                                   accA);
+            accB = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i + 1]),
+                                   _mm512_fmadd_ps(p1, _mm512_loadu_ps(xc + 48), _mm512_mul_ps(p0, _mm512_loadu_ps(xc + 32))),
+                                   accB);
+        }
+        if (i < n) {
+            __m512 q0, q1;
+            float d, m;
+            chunk_qvec(type, row, c0 + i, &q0, &q1, &d, &m);
+            const float *xc = x + 32 * (c0 + i);
+            accA = _mm512_fmadd_ps(_mm512_set1_ps(dbuf[i]),
+                                   _mm512_fmadd_ps(q1, _mm512_loadu_ps(xc + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xc))),
+                                   accA);
+        }
+    }
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(accA, accB));
+    if (HAS_OFFSET(type)) s += _mm512_reduce_add_ps(macc);
+    return s;
+}
+#endif
+
 /* out[t * out_stride + r] for row r and tokens [t0, t0 + NT), x float32 [T, k] (dense). Always inlined with
  * constant type and NT, so the type switch folds away and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void row_dot(const int type, const int NT, const uint8_t *row,
@@ -286,6 +362,11 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
                                                           int64_t t0, void *out, int64_t out_stride, int is_bf16) {
     const int64_t chunks = k / 32;
 #if defined(TM_AVX512)
+    if (NT == 1 && SMALL_BLOCK_BYTES(type) && type != Q8_0 && gguf_gather_scales) {
+        store1(out, t0 * out_stride + r, row_dot1_small(type, row, k, x + t0 * k, xsum ? xsum + t0 * chunks : NULL),
+               is_bf16);
+        return;
+    }
     if (FACTORED(type)) {
         /* d * (q . x) + m * sum(x) per chunk: the scale and offset leave the 32-lane work (xsum[t * chunks + c]
          * = sum of x's chunk c). Two chains per token (even and odd chunks) hide the FMA latency. */
