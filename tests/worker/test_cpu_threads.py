@@ -23,57 +23,80 @@ class _Clocks:
         self.busy += (ours + others) * seconds
 
 
-def test_threads_drop_with_a_hog_and_come_back(monkeypatch):
-    clocks = _Clocks(monkeypatch)
+def _governor(monkeypatch, max_threads: int = 2, cpus: int = 2):
     set_calls: list[int] = []
     monkeypatch.setattr(cpu_threads.torch, "set_num_threads", set_calls.append)
-    gov = cpu_threads.CpuThreadGovernor(max_threads=2, interval_s=1.0)
-    gov.cpus = {0, 1}
-    clocks.tick(1.5, ours=2.0, others=0.0)
-    assert gov.step() == 2 and set_calls == []  # both CPUs ours: nothing changes
-    clocks.tick(0.5, ours=1.3, others=0.7)
-    assert gov.step() == 2  # under interval_s since the last estimate: not re-estimated yet
-    clocks.tick(0.6, ours=1.3, others=0.7)
-    assert gov.step() == 1 and set_calls == [1]  # a hog took ~0.7 of a core over the last 1.1 s
-    clocks.tick(1.0, ours=1.0, others=1.0)
-    assert gov.step() == 1 and set_calls == [1]
-    clocks.tick(1.0, ours=1.0, others=0.1)
-    assert gov.step() == 2 and set_calls == [1, 2]  # the hog left
+    gov = cpu_threads.CpuThreadGovernor(max_threads=max_threads, interval_s=1.0)
+    gov.cpus = set(range(cpus))
+    return gov, set_calls
+
+
+def _steps(gov, clocks, n: int, seconds: float, ours: float, others: float, gap: float = 0.001) -> int:
+    """`n` model steps of `seconds` each, `gap` apart; returns the thread count the last one ran with."""
+    threads = gov.threads
+    for _ in range(n):
+        threads = gov.step()
+        clocks.tick(seconds, ours, others)
+        gov.step_done()
+        clocks.tick(gap, ours=0.0, others=others)
+    return threads
+
+
+def test_threads_drop_with_a_hog_and_come_back(monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    gov, set_calls = _governor(monkeypatch)
+    assert _steps(gov, clocks, 15, 0.1, ours=2.0, others=0.0) == 2 and set_calls == []  # both CPUs ours
+    assert _steps(gov, clocks, 5, 0.1, ours=1.3, others=0.7) == 2  # under interval_s of busy time so far
+    _steps(gov, clocks, 15, 0.1, ours=1.3, others=0.7)
+    assert set_calls == [1]  # a hog took ~0.7 of a core while we ran
+    _steps(gov, clocks, 12, 0.1, ours=1.0, others=1.0)
+    assert set_calls == [1]
+    _steps(gov, clocks, 24, 0.1, ours=1.0, others=0.1)
+    assert set_calls == [1, 2] and gov.threads == 2  # the hog left
 
 
 def test_other_processes_work_while_the_engine_idles_does_not_count(monkeypatch):
     clocks = _Clocks(monkeypatch)
-    set_calls: list[int] = []
-    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", set_calls.append)
-    gov = cpu_threads.CpuThreadGovernor(max_threads=2, interval_s=1.0)
-    gov.cpus = {0, 1}
-    clocks.tick(1.5, ours=2.0, others=0.0)
-    assert gov.step() == 2
+    gov, set_calls = _governor(monkeypatch)
+    _steps(gov, clocks, 15, 0.1, ours=2.0, others=0.0)
     clocks.tick(4.0, ours=0.02, others=1.0)  # no step for 4 s: a client starts up (imports, tokenizer)
-    assert gov.step() == 2 and set_calls == []  # that window is dropped, not read as a hog
-    clocks.tick(1.1, ours=1.9, others=0.05)  # the client's requests: a little CPU beside our steps
-    assert gov.step() == 2 and set_calls == []
-    clocks.tick(3.0, ours=1.2, others=0.8)  # one long step under a real hog: our own CPU shows we ran
-    assert gov.step() == 1 and set_calls == [1]
-    clocks.tick(4.0, ours=0.0, others=1.0)  # idle again: the count stays as it was
-    assert gov.step() == 1 and set_calls == [1]
+    _steps(gov, clocks, 25, 0.1, ours=1.9, others=0.05)  # its requests: a little CPU beside our steps
+    assert set_calls == [] and gov.threads == 2
+
+
+def test_a_hog_beside_steps_longer_than_the_interval_counts(monkeypatch):
+    # 2.5 s prefill chunks whose threads sleep at barriers (our CPU 0.4 cores) beside a hog on one core.
+    clocks = _Clocks(monkeypatch)
+    gov, set_calls = _governor(monkeypatch)
+    _steps(gov, clocks, 3, 2.5, ours=0.4, others=1.0)
+    assert set_calls == [1]
+
+
+def test_a_hog_beside_short_bursts_of_requests_counts(monkeypatch):
+    # A request every 3 s (0.8 s of steps, then 2.2 s idle) while a hog holds a core: the busy periods add up.
+    clocks = _Clocks(monkeypatch)
+    gov, set_calls = _governor(monkeypatch)
+    for _ in range(3):
+        _steps(gov, clocks, 8, 0.1, ours=1.0, others=1.0)
+        clocks.tick(2.2, ours=0.0, others=1.0)
+    assert set_calls == [1]
 
 
 def test_never_above_the_configured_count_nor_below_one(monkeypatch):
     clocks = _Clocks(monkeypatch)
-    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: None)
-    gov = cpu_threads.CpuThreadGovernor(max_threads=3, interval_s=1.0)
-    gov.cpus = set(range(8))
-    clocks.tick(2.0, ours=3.0, others=0.0)
-    assert gov.step() == 3
-    clocks.tick(2.0, ours=1.0, others=12.0)  # more busy than CPUs (an overcommitted box)
-    assert gov.step() == 1
+    gov, set_calls = _governor(monkeypatch, max_threads=3, cpus=8)
+    _steps(gov, clocks, 12, 0.2, ours=3.0, others=0.0)
+    assert gov.threads == 3 and set_calls == []
+    _steps(gov, clocks, 12, 0.2, ours=1.0, others=12.0)  # more busy than CPUs (an overcommitted box)
+    assert gov.threads == 1
 
 
 def test_without_proc_stat_it_keeps_its_threads(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cpus: None)
     gov = cpu_threads.CpuThreadGovernor(max_threads=2, interval_s=0.0)
-    assert gov.step() == 2 == gov.threads
+    for _ in range(3):
+        assert gov.step() == 2 == gov.threads
+        gov.step_done()
 
 
 def test_reads_this_machine():

@@ -18,15 +18,17 @@ and sets `torch.set_num_threads(round(cpus - others))`, clamped to
 [1, max_threads]. Linux only (elsewhere it keeps max_threads);
 TOKENMILL_CPU_ADAPTIVE_THREADS=0 turns it off.
 
-A window that spans an idle engine (no step for longer than `interval_s`
-and less than half a core of our own CPU over the window) measures what
-other processes did while nothing of ours ran: it starts a new window and
-changes nothing. Served at concurrency 1 on the quiet 2-core box, the
-first step of each benchmark run otherwise went 2 -> 1 thread on the bench
-client's start-up (imports, tokenizer, prompt sampling) in the idle seconds
-before its first request, and back to 2 a second later
-(benchmarks/serve_cpu_per_token.py: "other processes 0.00 cores" over the
-run, yet "CPU threads 2 -> 1", "1 -> 2").
+Only the time the engine is busy counts. A step's start (`step`) and end
+(`step_done`) bound it; steps less than `IDLE_GAP_S` apart form one busy
+period, and the CPU samples are taken at a period's start and at each
+step's end, so the seconds between periods, when nothing of ours runs, are
+left out. An estimate needs `interval_s` of busy time, gathered over one or
+several periods. Served at concurrency 1 on the quiet 2-core box, a window
+over the idle seconds before a benchmark's first request went 2 -> 1 thread
+on the bench client's start-up (imports, tokenizer, prompt sampling) and
+back a second later (benchmarks/serve_cpu_per_token.py); a hog that runs
+beside short bursts of requests, or beside steps longer than `interval_s`,
+still counts, since it takes CPU while ours runs.
 """
 
 from __future__ import annotations
@@ -68,12 +70,17 @@ def _own_seconds() -> float:
         return own
 
 
+IDLE_GAP_S = 0.1  # steps further apart than this start a new busy period (the gap is not measured)
+
+
 class CpuThreadGovernor:
     """Sets torch's thread count to the CPUs other processes leave free (see the module docstring).
 
+    Call `step()` before each model step and `step_done()` after it.
+
     Args:
         max_threads: the configured thread count (never exceeded).
-        interval_s: seconds between estimates.
+        interval_s: busy seconds per estimate.
     """
 
     def __init__(self, max_threads: int, interval_s: float = 1.0) -> None:
@@ -81,23 +88,35 @@ class CpuThreadGovernor:
         self.interval_s = interval_s
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self.threads = self.max_threads
-        self._last = (time.monotonic(), _busy_seconds(self.cpus), _own_seconds())
-        self._last_call = self._last[0]  # monotonic time of the previous step()
+        # (seconds, busy CPU seconds, own CPU seconds) of the busy periods closed since the last estimate
+        self._acc = (0.0, 0.0, 0.0)
+        self._start: tuple[float, float, float] | None = None  # sample at the open period's start
+        self._end: tuple[float, float, float] | None = None  # sample at the open period's last step end
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        busy = _busy_seconds(self.cpus)
+        return None if busy is None else (time.monotonic(), busy, _own_seconds())
 
     def step(self) -> int:
-        """Re-estimate at most once per interval; returns the thread count in force."""
+        """Before a model step: re-estimate once `interval_s` of busy time has gathered; returns the thread
+        count in force."""
         now = time.monotonic()
-        last_call, self._last_call = self._last_call, now
-        last_time, last_busy, last_own = self._last
-        if now - last_time < self.interval_s or last_busy is None:
+        if self._start is not None and self._end is not None and now - self._end[0] > IDLE_GAP_S:
+            # The engine idled since its last step: close that period; the gap is not measured.
+            self._acc = tuple(a + e - s for a, s, e in zip(self._acc, self._start, self._end))
+            self._start = self._end = None
+        if self._start is None:
+            self._start = self._sample()
+            self._end = None
+            if self._start is None:
+                return self.threads  # no /proc/stat here
+        if self._end is None:
             return self.threads
-        busy, own = _busy_seconds(self.cpus), _own_seconds()
-        self._last = (now, busy, own)
-        if busy is None:
+        seconds, busy, own = (a + e - s for a, s, e in zip(self._acc, self._start, self._end))
+        if seconds < self.interval_s:
             return self.threads
-        if now - last_call > self.interval_s and (own - last_own) / (now - last_time) < 0.5:
-            return self.threads  # the engine was idle through most of the window (see the module docstring)
-        others = max(0.0, ((busy - last_busy) - (own - last_own)) / (now - last_time))  # cores, averaged
+        self._acc, self._start = (0.0, 0.0, 0.0), self._end  # the next window starts at the last step's end
+        others = max(0.0, (busy - own) / seconds)  # cores, averaged over our busy time
         target = min(self.max_threads, max(1, round(len(self.cpus) - others)))
         if target != self.threads:
             logger.info("CPU threads %d -> %d: other processes kept %.1f of %d CPUs busy (TOKENMILL_CPU_ADAPTIVE_"
@@ -105,3 +124,8 @@ class CpuThreadGovernor:
             torch.set_num_threads(target)
             self.threads = target
         return self.threads
+
+    def step_done(self) -> None:
+        """After a model step: sample the CPU clocks at its end (~30 us: /proc/stat and the parent's stat)."""
+        if self._start is not None:
+            self._end = self._sample()

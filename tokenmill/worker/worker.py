@@ -98,14 +98,22 @@ class Worker:
         self._runner().initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.cpu_threads is not None:
-            self.cpu_threads.step()
-        return self._runner().execute_model(scheduler_output)
+        if self.cpu_threads is None:
+            return self._runner().execute_model(scheduler_output)
+        self.cpu_threads.step()
+        try:
+            return self._runner().execute_model(scheduler_output)
+        finally:
+            self.cpu_threads.step_done()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        if self.cpu_threads is not None:
-            self.cpu_threads.step()
-        return self._runner().execute_model_async(scheduler_output)
+        if self.cpu_threads is None:
+            return self._runner().execute_model_async(scheduler_output)
+        self.cpu_threads.step()
+        try:
+            return self._runner().execute_model_async(scheduler_output)  # on CPU the step has run when this returns
+        finally:
+            self.cpu_threads.step_done()
 
     def _runner(self) -> ModelRunner:
         assert self.model_runner is not None, "init_device() first"
