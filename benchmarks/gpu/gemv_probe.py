@@ -12,6 +12,10 @@ three timings, each a CUDA graph of REPS calls over weight copies that together 
   (the memory side of that access pattern: what the GEMV would take if its arithmetic were free);
 - `reduce`: the split-K reduction launch alone on partials of that shape.
 
+`load` is a lower bound on the GEMV's memory side: it reads the same packed words, but not the GEMV's scalar
+loads of x, the scales and the zero points (~33 small loads a step). Every config's output is compared with
+the first config's; a relative error above MAX_REL_ERR prints WRONG and the script exits 1.
+
 Printed per shape: bf16 F.linear, the default plan, the best `gemv` and the best `load` (us, and the
 fraction of the 4-bit read floor's speed at the H200's 4.8 TB/s), then every config's row. If the best `gemv`
 is far above its `load`, the arithmetic (instructions per value) is the limit; if they are close, the
@@ -46,13 +50,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from quant_gemm import HBM_BYTES_PER_S, L2_BYTES, LLAMA_8B_SHAPES, REPS, graph_time_ms, quant_bytes, random_w4  # noqa: E402
+from quant_gemm import (  # noqa: E402
+    HBM_BYTES_PER_S, L2_BYTES, LLAMA_8B_SHAPES, REPS, graph_time_ms, quant_bytes, random_w4,
+)
 
 # (block_n rows, words per K step, warps, prefetch)
 GRID = [(32, 16, 1, False), (32, 16, 1, True), (64, 16, 1, False), (64, 8, 1, False), (64, 8, 1, True),
         (128, 8, 1, False), (128, 8, 1, True), (256, 4, 1, False), (256, 4, 1, True), (128, 4, 1, True),
         (64, 16, 2, False), (128, 16, 4, False), (32, 32, 1, False), (16, 16, 1, True)]
 PROGRAMS_PER_SM = (8, 16, 32)
+# Largest error of a config against GRID[0] at 16 programs per SM, relative to its largest output: the same
+# float32 products summed in another order differ by ~1e-3 of a bf16 output at most; a wrong kernel by O(1).
+MAX_REL_ERR = 1e-2
 
 
 @triton.jit
@@ -95,7 +104,8 @@ def probe_shape(name: str, n: int, k: int, dtype: torch.dtype) -> dict:
     qb = quant_bytes(n, k, 4, 128, True)
     copies = max(REPS, -(-2 * L2_BYTES // qb))
     ws = [random_w4(n, k, dtype) for _ in range(copies)]
-    dense = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(max(2, -(-2 * L2_BYTES // (n * k * 2))))]
+    dense_copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
+    dense = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(dense_copies)]
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     floor_us = qb / HBM_BYTES_PER_S * 1e6
     row = dict(shape=name, n=n, k=k, floor_us=floor_us,
@@ -122,7 +132,8 @@ def probe_shape(name: str, n: int, k: int, dtype: torch.dtype) -> dict:
                 num_warps=4)] * REPS
             configs.append(dict(block_n=bn, block_kw=kw, warps=warps, prefetch=pf, programs_per_sm=spm,
                                 split_k=plan.split_k, rel_err=err,
-                                gemv_us=1e3 * graph_time_ms([lambda w=w, p=plan: quant_linear(x, w, plan=p) for w in ws]),
+                                gemv_us=1e3 * graph_time_ms([lambda w=w, p=plan: quant_linear(x, w, plan=p)
+                                                             for w in ws]),
                                 load_us=1e3 * graph_time_ms(load_calls),
                                 reduce_us=1e3 * graph_time_ms(red_calls) if plan.split_k > 1 else 0.0))
             c = configs[-1]
@@ -133,12 +144,12 @@ def probe_shape(name: str, n: int, k: int, dtype: torch.dtype) -> dict:
     best = min(configs, key=lambda c: c["gemv_us"])
     best_load = min(configs, key=lambda c: c["load_us"])
     row.update(best_gemv=best, best_load=best_load)
-    print(f"{name:8s} N {n} K {k}: floor {floor_us:.1f} us | bf16 {row['bf16_us']:.1f} | default {row['default_us']:.1f} "
-          f"({floor_us / row['default_us']:.0%} of floor speed) | best gemv {best['gemv_us']:.1f} "
-          f"({floor_us / best['gemv_us']:.0%}; {best['block_n']}x{best['block_kw']} w{best['warps']} pf{int(best['prefetch'])}"
-          f" spm{best['programs_per_sm']}) | best load-only {best_load['load_us']:.1f} "
-          f"({floor_us / best_load['load_us']:.0%}; {best_load['block_n']}x{best_load['block_kw']} pf{int(best_load['prefetch'])}"
-          f" spm{best_load['programs_per_sm']})", flush=True)
+    tile = "{block_n}x{block_kw} w{warps} pf{pf} spm{programs_per_sm}".format
+    print(f"{name:8s} N {n} K {k}: floor {floor_us:.1f} us | bf16 {row['bf16_us']:.1f} | default "
+          f"{row['default_us']:.1f} ({floor_us / row['default_us']:.0%} of floor speed) | best gemv "
+          f"{best['gemv_us']:.1f} ({floor_us / best['gemv_us']:.0%}; {tile(**best, pf=int(best['prefetch']))}) | "
+          f"best load-only {best_load['load_us']:.1f} ({floor_us / best_load['load_us']:.0%}; "
+          f"{tile(**best_load, pf=int(best_load['prefetch']))})", flush=True)
     return row
 
 
@@ -150,10 +161,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gemv_probe: no CUDA device")
         return 2
-    rows = [probe_shape(s, *LLAMA_8B_SHAPES[s], torch.bfloat16) for s in args.shapes.split(",")]
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=1))
-    return 0
+    rows = []
+    for s in args.shapes.split(","):
+        rows.append(probe_shape(s, *LLAMA_8B_SHAPES[s], torch.bfloat16))
+        if args.json_out:  # after every shape: a run cut by its time limit keeps what it measured
+            Path(args.json_out).write_text(json.dumps(rows, indent=1))
+    bad = [(r["shape"], c) for r in rows for c in r["configs"] if c["rel_err"] > MAX_REL_ERR]
+    for shape, c in bad:
+        print(f"WRONG: {shape} {c['block_n']}x{c['block_kw']} w{c['warps']} pf{int(c['prefetch'])} "
+              f"spm{c['programs_per_sm']}: relative error {c['rel_err']:.1e} against the first config")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
