@@ -125,8 +125,8 @@ def quant_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    w_ptrs = qw_ptr + offs_n64[:, None] * stride_qn + (w_start + tl.arange(0, BLOCK_KW))[None, :] * stride_qk
     if PREFETCH:
+        w_ptrs = qw_ptr + offs_n64[:, None] * stride_qn + (w_start + tl.arange(0, BLOCK_KW))[None, :] * stride_qk
         # The first step's words; each step then issues the next step's loads before its own arithmetic.
         if EVEN_K:
             nxt = tl.load(w_ptrs, mask=n_mask[:, None] & (w_start < w_end), other=0)
@@ -146,9 +146,9 @@ def quant_gemv_kernel(
                 nxt = tl.load(w_ptrs, mask=n_mask[:, None] & (w0 + BLOCK_KW < w_end), other=0)
             else:
                 nxt = tl.load(w_ptrs, mask=n_mask[:, None] & ((offs_w + BLOCK_KW) < w_end)[None, :], other=0)
-        else:
-            words = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask[None, :], other=0)
-            w_ptrs += BLOCK_KW * stride_qk
+        else:  # the addresses as before PREFETCH existed (the measured default kernel)
+            words = tl.load(qw_ptr + offs_n64[:, None] * stride_qn + offs_w[None, :] * stride_qk,
+                            mask=n_mask[:, None] & w_mask[None, :], other=0)
         s, c = _group_scale(s_ptr, z_ptr, offs_n64, n_mask, offs_w, w_mask, w0, words_per_group,
                             stride_sn, stride_sg, stride_zn, stride_zg, BITS, HAS_ZEROS, ONE_GROUP)
         if BLOCK_M == 1:
