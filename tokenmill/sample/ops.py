@@ -103,10 +103,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     resolves ties and NaN the same way: one call where the chunked path makes
     seven torch ops. Right after a decode step the interpreter's and torch's
     code is out of the caches (the step streams ~96 MB of weights), so each
-    op then costs 30-60 us: served SmolLM2 Q4_1 at one row, the greedy
-    sampler took ~250 us of thread CPU a step this way against ~50 with NumPy
-    (benchmarks/engine_step_overhead.py). Past a few rows the chunked path's
-    threads win (64 rows, two threads: 0.39 vs 0.49 ms).
+    op then costs 30-60 us: SmolLM2 Q4_1 at one row, the whole sampler took
+    238.9-257.6 us of thread CPU a step this way against 111.9-112.8 with
+    NumPy (`benchmarks/engine_step_overhead.py --steps 200`, alternated,
+    session 14). Past a few rows the chunked path's threads are faster.
     """
     num_rows, num_cols = x.shape
     num_chunks = num_cols // _ARGMAX_CHUNK
