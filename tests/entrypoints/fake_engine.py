@@ -5,11 +5,18 @@ The fake speaks `AsyncLLM`'s interface (`add_request` -> stream,
 token ids are its characters' code points, and completion token `i` is id
 `100 + i` with text `" w<i>"`, so tests can compute the expected text and
 counts independently of the server code.
+
+Fakes build each step's output as a cumulative snapshot and queue it with
+`FakeStream.push`, which hands it over the way the real engine does for the
+request's `output_kind`: for DELTA (what the servers ask for when
+streaming) only what is new since the request's previous output, so a
+handler that took a DELTA output for the whole output so far fails the tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -38,6 +45,29 @@ class FakeStream:
         self.items: list[RequestOutput] = []
         self.unfinished: set[str] = set()
         self.hang = False
+        # (request id, completion index) -> its last pushed snapshot (DELTA bookkeeping)
+        self._pushed: dict[tuple[str, int], CompletionOutput] = {}
+
+    def push(self, out: RequestOutput, kind: RequestOutputKind) -> None:
+        """Queue `out`, a cumulative snapshot, as the engine delivers outputs of `kind`.
+
+        DELTA: each completion keeps only the text, token ids and logprobs
+        added since the request's previous output; FINAL_ONLY: only the
+        finished output is queued; CUMULATIVE: as it is.
+        """
+        if kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+            return
+        if kind == RequestOutputKind.DELTA:
+            comps = []
+            for comp in out.outputs:
+                prev = self._pushed.get((out.request_id, comp.index))
+                self._pushed[(out.request_id, comp.index)] = comp
+                text0, ids0, lps0 = (len(prev.text), len(prev.token_ids), len(prev.logprobs or [])) if prev \
+                    else (0, 0, 0)
+                comps.append(dataclasses.replace(comp, text=comp.text[text0:], token_ids=comp.token_ids[ids0:],
+                                                 logprobs=None if comp.logprobs is None else comp.logprobs[lps0:]))
+            out = dataclasses.replace(out, outputs=comps)
+        self.items.append(out)
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -135,8 +165,8 @@ class FakeEngine:
                 comps.append(CompletionOutput(index=idx, text=fake_completion_text(k),
                                               token_ids=list(range(100, 100 + k)), logprobs=logprobs,
                                               finish_reason="length" if done else None))
-            stream.items.append(RequestOutput(request_id, text_prompt, ids, comps, done,
-                                              prompt_logprobs=prompt_logprobs))
+            stream.push(RequestOutput(request_id, text_prompt, ids, comps, done, prompt_logprobs=prompt_logprobs),
+                        params.output_kind)
         stream.hang = prompt == "hang"
         if prompt == "die":  # the core dies after the first output
             from tokenmill.frontend.core_client import EngineDeadError

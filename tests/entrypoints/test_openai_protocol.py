@@ -41,7 +41,7 @@ def test_chat_max_completion_tokens_wins_and_stream_kind():
                                 max_completion_tokens=9, stream=True, logprobs=True, top_logprobs=2)
     sp = req.to_sampling_params()
     assert sp.max_tokens == 9 and sp.logprobs == 2
-    assert sp.output_kind == RequestOutputKind.CUMULATIVE
+    assert sp.output_kind == RequestOutputKind.DELTA  # streams ask for only what is new
 
 
 @pytest.mark.parametrize("kwargs, needle", [

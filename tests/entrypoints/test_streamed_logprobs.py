@@ -35,7 +35,7 @@ class LaggingTextEngine(FakeEngine):
             logprobs = [{100 + i: Logprob(-0.25 * (i + 1), 1, f" w{i}")} for i in range(k)]
             comp = CompletionOutput(index=0, text=fake_completion_text(shown), token_ids=list(range(100, 100 + k)),
                                     logprobs=logprobs, finish_reason="length" if done else None)
-            stream.items.append(RequestOutput(request_id, None, ids, [comp], done))
+            stream.push(RequestOutput(request_id, None, ids, [comp], done), params.output_kind)
         return stream
 
 

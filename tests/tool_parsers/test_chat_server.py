@@ -48,7 +48,7 @@ class ScriptedEngine(FakeEngine):
             done = end == len(self.script)
             comp = CompletionOutput(index=0, text=self.script[:end], token_ids=list(range(end)),
                                     finish_reason="stop" if done else None)
-            stream.items.append(RequestOutput(request_id, None, list(prompt), [comp], done))
+            stream.push(RequestOutput(request_id, None, list(prompt), [comp], done), params.output_kind)
         return stream
 
 

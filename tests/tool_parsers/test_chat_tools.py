@@ -125,9 +125,10 @@ def test_reasoning_then_tool_call_streaming():
     assert fields["reasoning_content"] == "I should call it." and fields["content"] == "OK" and finish == "tool_calls"
     s = parser.streamer()
     deltas = []
-    for end in range(1, len(text) + 1, 4):
-        deltas += s.update(text[:end])
-    deltas += s.update(text, final=True)
+    for start in range(0, len(text), 4):  # the new text of each step, as DELTA outputs carry it
+        deltas += s.update(text[start:start + 4])
+    deltas += s.update("", final=True)
+    assert s.text == text  # the parsers read the whole text so far, kept by the streamer
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
     assert "".join(d.get("content", "") for d in deltas) == "OK"
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]

@@ -3,6 +3,7 @@
     POST /generate   {"prompt": str, "stream": bool, <SamplingParams fields>}
                      -> {"text": [prompt + completion, ...]}  (one entry per `n`)
                      stream: the same object after each step, cumulative, each followed by a NUL byte ("\\0")
+                     (the engine sends DELTA outputs; the stream adds them up per completion)
     GET  /health     200 while the engine core runs, else 503
 
 It takes every flag of `tokenmill serve` (the same engine, the same start-up
@@ -53,13 +54,15 @@ def parse_generate_body(body: Any) -> tuple[str | list[int], bool, SamplingParam
     except TypeError as e:  # an unknown keyword: name it
         raise ValueError(f"Unknown /generate field: {e}. Use SamplingParams' field names (max_tokens, "
                          "temperature, top_p, n, stop, ...).") from e
-    params.output_kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    # A stream asks for each step's new text (DELTA) and adds it up itself (`_nul_separated`).
+    params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return prompt, stream, params
 
 
-def _texts(prompt: str | list[int], output: Any) -> dict[str, list[str]]:
+def _texts(prompt: str | list[int], output: Any, texts: dict[int, str]) -> dict[str, list[str]]:
+    """The /generate body: prompt + text of each completion (`texts`: index -> its text so far), by index."""
     prefix = prompt if isinstance(prompt, str) else (output.prompt or "")
-    return {"text": [prefix + c.text for c in sorted(output.outputs, key=lambda c: c.index)]}
+    return {"text": [prefix + texts[i] for i in sorted(texts)]}
 
 
 def build_generate_app(engine: Any, served_model_names: list[str], args: Any, opts: HTTPOptions) -> FastAPI:
@@ -97,7 +100,7 @@ def build_generate_app(engine: Any, served_model_names: list[str], args: Any, op
             results.close()  # aborts the request if it is still running (client gone)
         if final is None:
             return Response(status_code=499)
-        return JSONResponse(_texts(prompt, final))
+        return JSONResponse(_texts(prompt, final, {c.index: c.text for c in final.outputs}))
 
     return app
 
@@ -112,12 +115,16 @@ async def _last(results: Any) -> Any:
 async def _nul_separated(prompt: str | list[int], results: Any) -> AsyncIterator[bytes]:
     """One JSON object per update, each followed by a NUL byte (vLLM's framing; clients split on b"\\0").
 
-    `results` is the request's `OutputStream`; closing it (also when the client
-    disconnects and this generator is closed) aborts the request.
+    `results` is the request's `OutputStream` of DELTA outputs (an output holds
+    only the completions that progressed, and only their new text); closing it
+    (also when the client disconnects and this generator is closed) aborts the request.
     """
+    texts: dict[int, str] = {}  # completion index -> its text so far
     try:
         async for out in results:
-            yield (json.dumps(_texts(prompt, out)) + "\0").encode()
+            for comp in out.outputs:
+                texts[comp.index] = texts.get(comp.index, "") + comp.text
+            yield (json.dumps(_texts(prompt, out, texts)) + "\0").encode()
     finally:
         results.close()
 

@@ -45,12 +45,12 @@ def enc():
 
 
 def stream_deltas(ids: list[int], step: int) -> tuple[list[dict], HarmonyStreamer]:
-    """Feed `ids` `step` tokens at a time, then finish; all deltas in order."""
+    """Feed `ids` `step` new tokens at a time (as DELTA outputs carry them), then finish; all deltas in order."""
     s = HarmonyStreamer()
     deltas: list[dict] = []
-    for k in range(step, len(ids) + step, step):
-        deltas += s.update(ids[:k])
-    deltas += s.update(ids, final=True)
+    for k in range(0, len(ids), step):
+        deltas += s.update(ids[k:k + step])
+    deltas += s.update([], final=True)
     return deltas, s
 
 

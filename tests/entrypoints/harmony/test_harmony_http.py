@@ -46,7 +46,7 @@ class ScriptedHarmonyEngine(FakeEngine):
             done = k == len(script) or script[k - 1] in params.all_stop_token_ids
             comp = CompletionOutput(index=0, text=enc.decode(script[:k]), token_ids=script[:k],
                                     finish_reason="stop" if done else None)
-            stream.items.append(RequestOutput(request_id, None, ids, [comp], done))
+            stream.push(RequestOutput(request_id, None, ids, [comp], done), params.output_kind)
             if done:
                 break
         return stream

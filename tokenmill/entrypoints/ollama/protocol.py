@@ -71,7 +71,8 @@ class OllamaOptions(BaseModel):
             seed=None if self.seed is None else self.seed % 2**63,
             stop=self.stop,
             max_tokens=max_tokens,
-            output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
+            # A stream sends each step's new text (DELTA); a whole answer waits for the end.
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
 

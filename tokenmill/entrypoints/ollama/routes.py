@@ -151,8 +151,12 @@ class OllamaServing:
         return self.engine.add_request(f"ollama-{uuid.uuid4().hex}", prompt_ids, params)
 
     @staticmethod
-    def final_fields(out: Any, start_ns: int) -> dict[str, Any]:
-        """Ollama's counters for a finished request (durations in nanoseconds)."""
+    def final_fields(out: Any, start_ns: int, eval_count: int) -> dict[str, Any]:
+        """Ollama's counters for a finished request (durations in nanoseconds).
+
+        `out` is the request's last output; `eval_count` its number of generated tokens (a stream's
+        DELTA outputs each hold only their new ones, so the stream counts them).
+        """
         comp = out.outputs[0]
         now_ns = time.time_ns()
         m = out.metrics
@@ -160,7 +164,7 @@ class OllamaServing:
         arrival_ns = int(m.arrival_time * 1e9) if m is not None else start_ns
         return {"done": True, "done_reason": comp.finish_reason or "stop", "total_duration": now_ns - start_ns,
                 "load_duration": 0, "prompt_eval_count": len(out.prompt_token_ids),
-                "prompt_eval_duration": max(0, first_ns - arrival_ns), "eval_count": len(comp.token_ids),
+                "prompt_eval_duration": max(0, first_ns - arrival_ns), "eval_count": eval_count,
                 "eval_duration": max(0, now_ns - first_ns)}
 
 
@@ -189,15 +193,15 @@ def build_ollama_router(engine: Any, served_model_names: list[str],
 
         if stream:
             async def lines() -> AsyncIterator[str]:
-                sent = 0
+                eval_count = 0
                 try:
-                    async for out in sub:
-                        text = out.outputs[0].text
-                        if len(text) > sent:
-                            yield line({**piece(text[sent:]), "done": False})
-                            sent = len(text)
+                    async for out in sub:  # DELTA outputs: each holds only its new text and tokens
+                        comp = out.outputs[0]
+                        eval_count += len(comp.token_ids)
+                        if comp.text:
+                            yield line({**piece(comp.text), "done": False})
                         if out.finished:
-                            yield line({**piece(""), **serving.final_fields(out, start_ns)})
+                            yield line({**piece(""), **serving.final_fields(out, start_ns, eval_count)})
                 except Exception as exc:  # noqa: BLE001 - after headers: report in-band, as Ollama does
                     yield json.dumps({"error": str(exc)}) + "\n"
                 finally:
@@ -217,7 +221,9 @@ def build_ollama_router(engine: Any, served_model_names: list[str],
             sub.close()
         if last is None:
             return None
-        return JSONResponse(json.loads(line({**piece(last.outputs[0].text), **serving.final_fields(last, start_ns)})))
+        comp = last.outputs[0]
+        return JSONResponse(json.loads(line({**piece(comp.text),
+                                             **serving.final_fields(last, start_ns, len(comp.token_ids))})))
 
     @router.post("/generate")
     async def generate(req: GenerateRequest, raw_request: Request) -> Any:

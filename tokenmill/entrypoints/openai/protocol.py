@@ -212,9 +212,10 @@ class _SamplingRequest(OpenAIModel):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=prompt_logprobs,
-            # Streams need every step's state; the server computes deltas
-            # itself from cumulative outputs. Non-streaming wants one output.
-            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+            # Streams want only what is new at each step (DELTA, as vLLM: a
+            # CUMULATIVE output copies the whole output so far every step);
+            # the handlers keep what they need of the past. Non-streaming wants one output.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs_from_fields(
                 self.response_format, self.structured_outputs,
                 {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}),

@@ -240,7 +240,7 @@ def to_chat_body(req: ResponsesRequest, history: list[dict[str, Any]], request_i
         "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": reasoning_effort(req.reasoning),
         "response_format": chat_response_format(req.text), "user": req.user, "top_k": req.top_k,
         "seed": req.seed, "request_id": request_id,
-        # A streamed response needs the outputs as they grow (CUMULATIVE), not only the final one.
+        # A streamed response needs the outputs as they grow (DELTA), not only the final one.
         "stream": bool(req.stream),
     }
     if body["tools"]:

@@ -113,24 +113,24 @@ class OpenAIServingChat(OpenAIServing):
 
     def _delta_choice(self, req: ChatCompletionRequest, choice: ChoiceState, comp: CompletionOutput,
                       streamer: ChoiceStreamer) -> list[dict[str, Any]]:
-        """The chunk choices for what `comp` adds: content / reasoning / tool-call deltas, finish last.
+        """The chunk choices for the DELTA output `comp` (what is new since the last chunk): content / reasoning /
+        tool-call deltas, finish last.
 
         New token ids make a chunk even when they add no text (delta `{}`), so
         the stream carries exactly one logprob entry per generated token.
         """
         if choice.finished:
             return []
-        new_tokens = len(comp.token_ids) > choice.num_tokens
+        new_tokens = bool(comp.token_ids)
         logprobs = None
         if req.logprobs:
-            new = (comp.logprobs or [])[choice.num_logprobs:]
-            logprobs = self._logprobs(new, comp.token_ids[choice.num_logprobs:], req.top_logprobs or 0,
+            logprobs = self._logprobs(comp.logprobs or [], comp.token_ids, req.top_logprobs or 0,
                                       bool(req.return_tokens_as_token_ids)).model_dump()
-            choice.num_logprobs = len(comp.logprobs or [])
+            choice.num_logprobs += len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
         deltas = streamer.update(parser_input(req._output_parser, comp), final=finish is not None)
-        choice.num_text_chars = len(comp.text)
-        choice.num_tokens = len(comp.token_ids)
+        choice.num_text_chars += len(comp.text)
+        choice.num_tokens += len(comp.token_ids)
         choice.finished = finish is not None
         if not (deltas or finish or new_tokens):
             return []
@@ -163,5 +163,8 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def parser_input(parser: Any, comp: CompletionOutput) -> Any:
-    """What an output parser reads: the token ids for harmony (its markers are special tokens), else the text."""
+    """What an output parser reads: the token ids for harmony (its markers are special tokens), else the text.
+
+    The whole output for `parser.message` (FINAL_ONLY), the new part for a streamer's `update` (DELTA).
+    """
     return comp.token_ids if getattr(parser, "reads_token_ids", False) else comp.text

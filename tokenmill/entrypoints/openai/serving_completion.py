@@ -79,33 +79,34 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _delta_choice(self, req: CompletionRequest, sub: Submission, choice: ChoiceState,
                       comp: CompletionOutput) -> dict[str, Any] | None:
-        """The new part of one choice as a chunk choice, or None when nothing changed.
+        """One choice's DELTA output `comp` (what is new since its last chunk) as a chunk choice, or None when empty.
 
         New token ids make a chunk even when they add no text (a skipped special
         token, the first bytes of a multi-byte character held back), so the
-        stream carries exactly one logprob entry per generated token.
+        stream carries exactly one logprob entry per generated token: a DELTA
+        output's logprobs are those of its token ids, position for position.
         """
         if choice.finished:
             return None
-        new_tokens = len(comp.token_ids) > choice.num_tokens
+        new_tokens = bool(comp.token_ids)
         prefix = ""
         first = choice.num_text_chars == 0 and choice.num_tokens == 0 and choice.num_logprobs == 0
         if req.echo and first:
             prefix = self._prompt_text(sub, choice.prompt_index, req.truncate_prompt_tokens is not None)
-        delta = "" if req.echo_only else comp.text[choice.num_text_chars:]
+        delta = "" if req.echo_only else comp.text
         logprobs = None
         if req.logprobs is not None:
-            positions = [] if req.echo_only else (comp.logprobs or [])[choice.num_logprobs:]
-            token_ids = [] if req.echo_only else comp.token_ids[choice.num_logprobs:]
+            positions = [] if req.echo_only else (comp.logprobs or [])
+            token_ids = [] if req.echo_only else comp.token_ids
             offset = choice.num_text_chars
             if req.echo and first:
                 positions, token_ids = self._echo_positions(sub, choice.prompt_index, positions, token_ids)
             logprobs = self._logprobs(positions, token_ids, offset, req.logprobs,
                                       bool(req.return_tokens_as_token_ids)).model_dump()
-            choice.num_logprobs = len(comp.logprobs or [])
+            choice.num_logprobs += len(comp.logprobs or [])
         finish = finish_reason_text(comp.finish_reason)
-        choice.num_text_chars = len(comp.text)
-        choice.num_tokens = len(comp.token_ids)
+        choice.num_text_chars += len(comp.text)
+        choice.num_tokens += len(comp.token_ids)
         choice.finished = finish is not None
         if not (prefix or delta or finish or new_tokens):
             return None

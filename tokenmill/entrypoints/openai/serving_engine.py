@@ -6,6 +6,14 @@ Choice index of prompt `p`, sample `j`: `p * n + j`, as OpenAI numbers
 batched completions. `OpenAIServing.full_response` and `stream_response`
 drive both endpoints; a handler supplies only its choices
 (`final_choice`, `stream_choices`) and its response type.
+
+The engine is asked for FINAL_ONLY outputs (one per request) when not
+streaming and for DELTA outputs (only what is new since the request's
+previous output) when streaming, as vLLM's servers do: a CUMULATIVE output
+copies the whole text, token ids and logprobs so far at every step, O(length)
+work per token. So a stream handler never sees the whole output: what it
+needs of the past it keeps itself (`ChoiceState`'s counters, the parsers'
+text in `ChoiceStreamer`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pydantic import BaseModel
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.entrypoints.openai.protocol import UsageInfo, random_id
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +53,17 @@ class EngineClient(Protocol):
 
 @dataclass(slots=True)
 class ChoiceState:
-    """What a stream has already sent for one choice (delta bookkeeping)."""
+    """One choice: what its outputs held so far and what a stream has already sent of it."""
 
     index: int
     prompt_index: int
-    num_text_chars: int = 0  # chars of `text` already sent
-    num_tokens: int = 0  # tokens of `token_ids` already sent
+    num_text_chars: int = 0  # chars of text already sent
+    num_tokens: int = 0  # token ids already sent
     num_logprobs: int = 0  # logprob positions already sent
+    num_generated: int = 0  # token ids recorded (sent or not): usage.completion_tokens
     finished: bool = False
+    # The latest output recorded: the whole completion (FINAL_ONLY), or the
+    # new part since the previous output (DELTA, streaming).
     last: CompletionOutput | None = None
 
 
@@ -78,7 +89,11 @@ class Submission:
     prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
 
     def record(self, out: RequestOutput) -> list[tuple[ChoiceState, CompletionOutput]]:
-        """Note `out` (cumulative or final) and return its (choice, completion) pairs."""
+        """Note `out` (DELTA or FINAL_ONLY) and return its (choice, completion) pairs.
+
+        Token counts add up over a request's outputs: right for DELTA, and
+        for FINAL_ONLY, whose one output holds everything.
+        """
         p_idx = self.prompt_index[out.request_id]
         self.prompt_lens[p_idx] = len(out.prompt_token_ids)
         self.prompt_token_ids[p_idx] = out.prompt_token_ids
@@ -91,19 +106,23 @@ class Submission:
         for comp in out.outputs:
             choice = self.choices[p_idx * self.n + comp.index]
             choice.last = comp
+            choice.num_generated += len(comp.token_ids)
             pairs.append((choice, comp))
         return pairs
 
     def record_ready(self, outs: list[RequestOutput]) -> list[tuple[ChoiceState, CompletionOutput]]:
-        """`record` each of `outs` (cumulative, in order); return each touched choice once, with its latest output.
+        """`record` each of `outs` (DELTA, in order); return each touched choice once, with all its new output.
 
         A stream that fell behind sends one chunk per choice for all its
-        pending outputs: the delta from what was sent to the latest
-        cumulative output is the concatenation of the skipped deltas.
+        pending outputs: several deltas of one choice are joined into one
+        (`merge_delta_completion`), as `OutputStream` merges them.
         """
         latest: dict[int, tuple[ChoiceState, CompletionOutput]] = {}
         for out in outs:
             for choice, comp in self.record(out):
+                prev = latest.get(choice.index)
+                if prev is not None:
+                    comp = merge_delta_completion(prev[1], comp)
                 latest[choice.index] = (choice, comp)
         return list(latest.values())
 
@@ -120,7 +139,7 @@ class Submission:
         return sum(self.prompt_lens.values())
 
     def num_completion_tokens(self) -> int:
-        return sum(len(c.last.token_ids) for c in self.choices.values() if c.last is not None)
+        return sum(c.num_generated for c in self.choices.values())
 
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, over all prompts (`usage.prompt_tokens_details`)."""
@@ -261,6 +280,8 @@ class OpenAIServing:
         Raises:
             ValueError: any one is invalid; the ones already queued are aborted.
         """
+        # The handlers add outputs up (see `Submission.record`): a CUMULATIVE output would count twice.
+        assert params.output_kind != RequestOutputKind.CUMULATIVE, "the server asks for DELTA or FINAL_ONLY"
         if cache_salt is not None:
             prompts = [_with_cache_salt(p, cache_salt) for p in prompts]
         n = params.n
@@ -331,6 +352,17 @@ class OpenAIServing:
         finally:
             sub.stream.close()
         yield SSE_DONE
+
+
+def merge_delta_completion(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    """One DELTA completion covering `old` then `new` (same choice): text, token ids and logprobs joined,
+    `cumulative_logprob` and the finish fields from `new`. Neither input is changed."""
+    logprobs = old.logprobs
+    if new.logprobs is not None:
+        logprobs = new.logprobs if logprobs is None else logprobs + new.logprobs
+    return CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                            cumulative_logprob=new.cumulative_logprob, logprobs=logprobs,
+                            finish_reason=new.finish_reason, stop_reason=new.stop_reason)
 
 
 async def ready_outputs(stream: Any) -> AsyncIterator[list[RequestOutput]]:

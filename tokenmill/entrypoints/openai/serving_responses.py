@@ -233,7 +233,7 @@ class OpenAIServingResponses:
             streamer = parser.streamer()
             finish = None
             # All outputs queued at once (a client that fell behind) make one update
-            # from the latest text: the streamer diffs against what it sent.
+            # from their joined new text (`Submission.record_ready`).
             async for outs in ready_outputs(sub.stream):
                 for choice, comp in sub.record_ready(outs):
                     if choice.finished:

@@ -1,7 +1,7 @@
 """Harmony output token ids -> chat fields (reasoning_content, content, tool_calls), streaming and not.
 
-One `HarmonyStreamer` per choice is fed the cumulative output token ids;
-it runs `openai_harmony.StreamableParser` over the new ones and returns
+One `HarmonyStreamer` per choice is fed the new output token ids of each
+DELTA output; it runs `openai_harmony.StreamableParser` over them and returns
 the same delta dicts `tool_parsers.chat_output.ChoiceStreamer` returns:
 
     analysis channel                      -> {"reasoning_content": ...}
@@ -64,8 +64,8 @@ class HarmonyStreamer:
     def tools_called(self) -> bool:
         return bool(self.tool_calls)
 
-    def update(self, token_ids: list[int], final: bool = False) -> list[dict[str, Any]]:
-        """Deltas for the cumulative `token_ids` (only the unseen tail is processed).
+    def update(self, new_token_ids: list[int], final: bool = False) -> list[dict[str, Any]]:
+        """Deltas for `new_token_ids`, the output tokens generated since the previous update.
 
         `final`: the turn is over; an unfinished message is closed (EOS).
         """
@@ -74,7 +74,7 @@ class HarmonyStreamer:
         out = _Deltas()
         if self.finished:
             return []
-        for tok in token_ids[self.num_seen:]:
+        for tok in new_token_ids:
             self.num_seen += 1
             if self.broken:
                 self._plain(out, self.encoding.decode([tok]))
@@ -173,5 +173,5 @@ class _Deltas:
 def parse_output(token_ids: list[int], encoding: Any = None) -> HarmonyOutput:
     """Parse a finished assistant turn (the tokens after `<|start|>assistant`)."""
     s = HarmonyStreamer(encoding)
-    s.update(list(token_ids), final=True)
+    s.update(token_ids, final=True)
     return s.result()

@@ -3,7 +3,8 @@
 `ChatOutputParser` is built once per request from the server flags and the
 request's `ToolPlan`; `message(text, finish_reason)` gives the
 non-streaming message, `streamer()` a per-choice object whose
-`update(text, final)` gives the delta dicts a stream sends.
+`update(new_text, final)` gives the delta dicts a stream sends for the text
+generated since the previous update (the engine's DELTA outputs).
 
 Order of work: the reasoning parser (if any) splits off the thinking text
 first; only the content part goes to tool-call parsing. Forced calls
@@ -153,25 +154,37 @@ class ChatOutputParser:
 
 
 class ChoiceStreamer:
-    """One choice's streaming state: reasoning split, then tool-call deltas on the content part."""
+    """One choice's streaming state: reasoning split, then tool-call deltas on the content part.
+
+    The reasoning and tool-call parsers read the whole output so far (a tag
+    or a call's JSON may be split over chunks), so with either of them the
+    text is kept here, added to once per update; without them each update's
+    text goes out as it is and nothing is kept.
+    """
 
     def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolParser | None) -> None:
         self.reasoning = ReasoningStreamer(reasoning) if reasoning is not None else None
         self.tools = ToolCallStreamer(tool_parser) if tool_parser is not None else None
-        self.content_sent = 0  # chars of content sent (when there is no tool parser)
+        self.content_sent = 0  # chars of content sent (reasoning parser, no tool parser)
+        self.text = ""  # the output text so far (only kept for the parsers)
 
     @property
     def tools_called(self) -> bool:
         return self.tools is not None and self.tools.tools_called
 
-    def update(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """The deltas to send for the whole output text so far, in order.
+    def update(self, new_text: str, final: bool = False) -> list[dict[str, Any]]:
+        """The deltas to send for `new_text` (the output text generated since the previous update), in order.
 
         First (if any) one with `reasoning_content` and/or `content`, then one
         per tool-call delta: a call's header (`index`, `id`, `type`,
         `function.name`, `function.arguments` "") and its argument fragments
-        each go in their own delta, as OpenAI streams them.
+        each go in their own delta, as OpenAI streams them. `final`: the
+        choice finished (held-back tails are decided and sent).
         """
+        if self.reasoning is None and self.tools is None:
+            return [{"content": new_text}] if new_text else []
+        self.text += new_text
+        text = self.text
         delta: dict[str, Any] = {}
         content_text = text
         if self.reasoning is not None:
