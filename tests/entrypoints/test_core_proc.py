@@ -89,6 +89,7 @@ def test_startup_value_error_reaches_the_front_end():
         with pytest.raises(EngineStartupError, match="use at most 192"):
             await client.start(timeout_s=120)
         assert not client.is_alive
+        assert client._proc.exitcode == 1  # a failed start is not a clean exit
 
     asyncio.run(run())
 
@@ -118,6 +119,7 @@ def test_requests_are_batched_aborted_and_refused_individually():
         finally:
             client.shutdown()
         assert not client.is_alive
+        assert client._proc.exitcode == 0  # SHUTDOWN: a clean exit
 
     asyncio.run(run())
 
@@ -135,6 +137,8 @@ def test_core_crash_is_reported_and_client_refuses_new_work():
             assert not client.is_alive
             with pytest.raises(EngineDeadError):
                 client.add_request(_request("r1"))
+            client._proc.join(60)
+            assert client._proc.exitcode == 1  # exited after its FATAL
         finally:
             client.shutdown()
 
