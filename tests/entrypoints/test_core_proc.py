@@ -89,6 +89,7 @@ def test_startup_value_error_reaches_the_front_end():
         with pytest.raises(EngineStartupError, match="use at most 192"):
             await client.start(timeout_s=120)
         assert not client.is_alive
+        assert client._proc.exitcode == 1  # a failed start is not a clean exit
 
     asyncio.run(run())
 
@@ -118,6 +119,7 @@ def test_requests_are_batched_aborted_and_refused_individually():
         finally:
             client.shutdown()
         assert not client.is_alive
+        assert client._proc.exitcode == 0  # SHUTDOWN: a clean exit
 
     asyncio.run(run())
 
@@ -135,6 +137,8 @@ def test_core_crash_is_reported_and_client_refuses_new_work():
             assert not client.is_alive
             with pytest.raises(EngineDeadError):
                 client.add_request(_request("r1"))
+            client._proc.join(60)
+            assert client._proc.exitcode == 1  # exited after its FATAL
         finally:
             client.shutdown()
 
@@ -166,6 +170,28 @@ def test_engine_core_wait_policy_default_keeps_the_users_choice(user, expected):
     assert environ == expected
 
 
+def _outputs(rid: str, i: int) -> list[bytes]:
+    return [MessageKind.OUTPUTS, encode_outputs(EngineCoreOutputs(
+        [EngineCoreOutput(rid, [i])], scheduler_stats=SchedulerStats(num_steps=i)))]
+
+
+def _inproc_pusher(client: EngineCoreClient):
+    """A PUSH socket in the client's zmq context, connected over inproc:// to the client's PULL socket.
+
+    inproc delivers a message into the pipe before `send` returns, so a backlog pushed here is whole in the
+    client's queue when the reader starts: no sleep, no race with the ipc:// connection. Close it before
+    `client.shutdown()` (whose context `term()` waits for every socket of the context).
+    """
+    import zmq
+
+    addr = f"inproc://{client._tmpdir}"
+    client._out.bind(addr)
+    push = zmq.Context.shadow(client._ctx.underlying).socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(addr)
+    return push
+
+
 def test_reader_takes_a_backlog_in_batches_and_wakes_for_each_later_message():
     """The reader callback drains a queue longer than one batch over several loop turns (zmq's fd signals
     once for all of it) and is woken again by each message that arrives once the queue is empty."""
@@ -176,22 +202,23 @@ def test_reader_takes_a_backlog_in_batches_and_wakes_for_each_later_message():
     from tokenmill.frontend import core_client
 
     async def run() -> None:
-        client = EngineCoreClient(types.SimpleNamespace(), num_threads=1)  # no process: a socket plays the core
+        client = EngineCoreClient(types.SimpleNamespace(), num_threads=1)  # no process: sockets play the core
+        backlog_push = _inproc_pusher(client)
         ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
+        push = ctx.socket(zmq.PUSH)  # later messages come over the real ipc:// transport
         push.connect(client.output_addr)
         flushes: list[int] = []
         got = Collector()
         try:
             backlog = 2 * core_client._MAX_BATCH + 3
             for i in range(backlog):  # queued before the reader starts
-                push.send_multipart([MessageKind.OUTPUTS, encode_outputs(EngineCoreOutputs(
-                    [EngineCoreOutput("a", [i])], scheduler_stats=SchedulerStats(num_steps=i)))])
-            await asyncio.sleep(0.2)  # let the ipc connection deliver them
+                backlog_push.send_multipart(_outputs("a", i))
             client.start_reader(got, lambda: flushes.append(len(got.tokens.get("a", []))))
             await _wait_for(lambda: len(got.tokens.get("a", [])) == backlog)
-            assert got.tokens["a"] == list(range(backlog))
-            assert flushes[:3] == [16, 32, backlog]  # one flush per batch of at most _MAX_BATCH
+            assert got.tokens["a"] == list(range(backlog))  # complete and in order
+            steps = [b - a for a, b in zip([0, *flushes], flushes)]
+            # One flush per batch of at most _MAX_BATCH: a backlog of 35 takes at least 3.
+            assert len(steps) >= 3 and all(1 <= n <= core_client._MAX_BATCH for n in steps), flushes
             assert got.stats.num_steps == backlog - 1
             for i in range(3):  # one at a time, each after the reader went idle
                 push.send_multipart([MessageKind.OUTPUTS, encode_outputs(EngineCoreOutputs(
@@ -202,9 +229,113 @@ def test_reader_takes_a_backlog_in_batches_and_wakes_for_each_later_message():
             await _wait_for(lambda: not client.reader_running)
             assert got.fatal == "boom" and client.dead_reason == "boom"
         finally:
+            backlog_push.close(linger=0)
             push.close(linger=0)
             ctx.term()
             client.shutdown()
+
+    asyncio.run(run())
+
+
+class _ExitedProcess:
+    """Stands in for a core process that has exited (cleanly: exit code 0)."""
+
+    exitcode = 0
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_dying_cores_backlog_is_read_whole_and_its_fatal_is_the_only_dead_notice(monkeypatch):
+    """A core that sent more than a batch of outputs, then FATAL, then exited: the liveness check finds the
+    process gone mid-backlog. The reader must hand over every output, then the core's own text once, and
+    nothing after it (no "exited (exit code 0)" notice, no outputs from a drain queued before the end)."""
+    import types
+
+    from tokenmill.frontend import core_client
+
+    monkeypatch.setattr(core_client, "_POLL_MS", 1)  # the check lands between batches
+
+    async def run() -> None:
+        client = EngineCoreClient(types.SimpleNamespace(), num_threads=1)
+        push = _inproc_pusher(client)
+        client._proc = _ExitedProcess()
+        seen: list[tuple[bytes, object]] = []
+
+        def handler(kind: bytes, obj) -> None:
+            seen.append((kind, obj))
+            if kind == MessageKind.OUTPUTS:
+                time.sleep(0.002)  # a slow front end: the check's timer expires during each batch
+
+        try:
+            for i in range(100):
+                push.send_multipart(_outputs("a", i))
+            push.send_multipart([MessageKind.FATAL, encode_obj("Traceback: simulated kernel failure")])
+            client.start_reader(handler)
+            await _wait_for(lambda: not client.reader_running)
+            for _ in range(20):  # let drains queued by call_soon run, if any are left
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+            kinds = [k for k, _ in seen]
+            fatals = [obj for k, obj in seen if k == MessageKind.FATAL]
+            assert fatals == ["Traceback: simulated kernel failure"], fatals
+            assert kinds.index(MessageKind.FATAL) == len(kinds) - 1 == 100  # nothing after it
+            assert [obj.outputs[0].new_token_ids[0] for _, obj in seen[:-1]] == list(range(100))
+            assert client.dead_reason == "Traceback: simulated kernel failure"
+        finally:
+            push.close(linger=0)
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("caller", ["task", "handler"])
+def test_shutdown_during_a_backlog_stops_the_handler_and_leaves_no_unread_error(caller):
+    """shutdown() while the reader works through a backlog (from another task, or from the handler itself):
+    no handler call once shutdown() has returned, and no reader future left holding an exception nobody
+    reads (asyncio would log "Future exception was never retrieved")."""
+    import gc
+    import types
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop_errors: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: loop_errors.append(context))
+        client = EngineCoreClient(types.SimpleNamespace(), num_threads=1)
+        push = _inproc_pusher(client)
+        calls_at_shutdown: list[int] = []
+        count = 0
+
+        def stop() -> None:
+            push.close(linger=0)
+            client.shutdown()
+            calls_at_shutdown.append(count)
+
+        def handler(kind: bytes, obj) -> None:
+            nonlocal count
+            count += 1
+            time.sleep(0.002)
+            if caller == "handler" and count == 20:
+                stop()
+
+        try:
+            for i in range(100):
+                push.send_multipart(_outputs("a", i))
+            client.start_reader(handler)
+            if caller == "task":
+                await _wait_for(lambda: count >= 20)
+                stop()
+            else:
+                await _wait_for(lambda: bool(calls_at_shutdown))
+            for _ in range(20):  # let drains queued by call_soon run, if any are left
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+            gc.collect()  # an unread future exception is reported when the future is collected
+            assert count == calls_at_shutdown[0] < 100
+            assert loop_errors == []
+        finally:
+            if not push.closed:
+                stop()
 
     asyncio.run(run())
 

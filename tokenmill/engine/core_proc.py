@@ -88,6 +88,9 @@ def run_engine_core(engine_config: EngineConfig, input_addr: str, output_addr: s
                     core_class: str = "tokenmill.engine.core:EngineCore") -> None:
     """Process entry point (spawned): build the core, handshake, serve until told to stop.
 
+    Exit code: 0 after SHUTDOWN or when the front end is gone; 1 after
+    STARTUP_ERROR or FATAL (a supervisor or `ps` sees the failure).
+
     Args:
         engine_config: the resolved `EngineConfig` (pickled across the spawn).
         input_addr / output_addr: zmq endpoints the front end bound.
@@ -107,11 +110,13 @@ def run_engine_core(engine_config: EngineConfig, input_addr: str, output_addr: s
     in_sock.connect(input_addr)
     out_sock.connect(output_addr)
     core = None
+    exit_code = 1  # 0 only for a clean stop: SHUTDOWN, or the front end gone
     try:
         core = _build_core(engine_config, num_threads, out_sock, core_class)
         if core is None:
-            return
+            return  # STARTUP_ERROR sent
         _busy_loop(core, in_sock, out_sock)
+        exit_code = 0
     except Exception:  # noqa: BLE001 - anything here kills the engine; tell the front end why
         text = traceback.format_exc()
         logger.error("engine core died:\n%s", text)
@@ -127,7 +132,7 @@ def run_engine_core(engine_config: EngineConfig, input_addr: str, output_addr: s
         logging.shutdown()
         # Library threads and atexit hooks (torch, loaders) can hold a normal
         # interpreter exit for seconds; nothing is left to clean up here.
-        os._exit(0)
+        os._exit(exit_code)
 
 
 def set_omp_wait_default(environ: MutableMapping[str, str]) -> None:

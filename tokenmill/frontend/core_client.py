@@ -74,6 +74,13 @@ class EngineCoreClient:
     Use: `client = EngineCoreClient(engine_config)`, `await client.start()`
     (raises `EngineStartupError`), `client.start_reader(handler)`,
     `client.add_request(req)`, `client.abort_requests(ids)`, `client.shutdown()`.
+
+    Must stay true: once `start_reader` has run, nothing may await `_out`
+    (`poll`, `recv*`). The reader puts its own `loop.add_reader` callback on
+    the socket's fd, which replaces the one zmq.asyncio registered when
+    `start()` awaited it, and removes it when the reader ends; an await on
+    `_out` after that would never wake. `start()` is the only awaiting user,
+    and it runs before the reader.
     """
 
     def __init__(self, engine_config: EngineConfig, num_threads: int | None = None,
@@ -190,6 +197,11 @@ class EngineCoreClient:
         message (then the next one signals again), or hands the rest of a
         full batch to a callback of the next loop turn (which lets the
         streams send what this batch gave them first).
+
+        The reader ends at a FATAL; when the process is found gone, after
+        every message it sent (a FATAL among them is the one dead notice);
+        or when `shutdown()` cancels it. Once it has ended no queued
+        callback reaches `handler` (`ended` is done).
         """
         loop = asyncio.get_running_loop()
         sock = zmq.Socket.shadow(self._out.underlying)
@@ -197,7 +209,10 @@ class EngineCoreClient:
         ended: asyncio.Future = loop.create_future()  # result: dead; exception: the reader failed
 
         def drain() -> None:
-            if ended.done():
+            # `ended` done: the reader has ended and nothing more reaches the
+            # handler (a drain queued by `call_soon` may still run). `closed`:
+            # shutdown() destroyed the context; `sock` shadows a freed socket.
+            if ended.done() or self._out.closed:
                 return
             try:
                 messages = []
@@ -210,24 +225,37 @@ class EngineCoreClient:
             except Exception as exc:  # noqa: BLE001 - ends the reader as an exception in the old task did
                 ended.set_exception(exc)
 
-        # Replaces zmq.asyncio's own callback on this fd (start() used it; nothing awaits the socket now).
+        # Replaces zmq.asyncio's own callback on this fd for good (see the class docstring).
         loop.add_reader(fd, drain)
         try:
             drain()  # what arrived before the callback was registered
             while not ended.done():
+                # Wakes every _POLL_MS even while messages flow, so it can land mid-backlog.
                 await asyncio.wait([ended], timeout=_POLL_MS / 1000)
                 if not ended.done() and self._proc is not None and not self._proc.is_alive():
-                    drain()  # a FATAL sent just before the exit comes first
+                    # Everything the core sent before it exited comes first, its FATAL (and
+                    # traceback) included; that FATAL ends the reader inside `drain`.
+                    while not ended.done() and sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        drain()
                     if not ended.done():
+                        ended.set_result(None)  # drains still queued by call_soon do nothing
                         self._mark_dead(handler, f"The engine core process exited (exit code {self._proc.exitcode}).")
                         return
             ended.result()  # re-raise a reader failure
         finally:
             loop.remove_reader(fd)
+            if not ended.done():  # cancelled (shutdown): queued drains do nothing
+                ended.cancel()
 
     def _dispatch(self, messages: list[list[bytes]], handler: Handler, flush: Flush | None) -> bool:
-        """Decode and hand `messages` to `handler`, then flush; False after a FATAL (the reader stops)."""
+        """Decode and hand `messages` to `handler`, then flush.
+
+        Returns False (the reader stops) after a FATAL, or once `shutdown()`
+        has run (called by the handler or `flush`): no handler call follows it.
+        """
         for kind, payload in messages:
+            if self._out.closed:
+                break
             if kind == MessageKind.OUTPUTS:
                 obj: Any = decode_outputs(payload)
             else:
@@ -241,7 +269,7 @@ class EngineCoreClient:
             except Exception:
                 logger.exception("error while handling an engine-core message")
         self._flush(flush)
-        return True
+        return not self._out.closed
 
     @staticmethod
     def _flush(flush: Flush | None) -> None:
