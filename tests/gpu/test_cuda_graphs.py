@@ -279,6 +279,7 @@ def test_long_context_decode_graph_matches_eager(monkeypatch):
     assert (graphs.num_replays, graphs.num_long_replays, graphs.num_mixed_replays) == (5, 5, 0)
     assert ids == ref_ids
     dev, kv_heads = torch.device("cuda"), runner.kv_caches[0].shape[-2]
+    assert len(logits) == len(ref_logits) == 6
     for step, (got, want) in enumerate(zip(logits, ref_logits)):
         n = got.shape[0]
         diff = (got - want).abs().max().item()

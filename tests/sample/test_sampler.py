@@ -175,6 +175,7 @@ def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_col
     x[3, :] = 0.5  # a whole row tied
     x[4, num_cols // 3] = float("nan")  # NaN counts as the maximum
     x[5, num_cols // 2] = float("-inf")
+    x[5, num_cols - 2] = x[5, num_cols // 4] = float("nan")  # two NaNs: the first one (rows 0-7: NumPy path)
     x[6, :] = float("-inf")  # every token banned
     x[7, 130] = top  # a tie between two chunks after the first
     x[7, 255] = top
@@ -183,7 +184,7 @@ def test_argmax_rows_matches_torch_argmax_with_ties_tails_and_nan(dtype, num_col
     got = argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
-    assert got[2] == 0 and got[3] == 0 and got[6] == 0 and got[7] == 130
+    assert got[2] == 0 and got[3] == 0 and got[5] == num_cols // 4 and got[6] == 0 and got[7] == 130
     assert got[1] == num_cols - 1
     if num_rows > 8:
         assert got[8] == 7
