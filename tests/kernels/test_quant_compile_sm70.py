@@ -36,9 +36,11 @@ SCRIPT = textwrap.dedent(
         return dict(BITS=bits, HAS_ZEROS=True, GROUP_MODE=mode, HAS_BIAS=True, USE_DOT=dot, IEEE_FP32=False,
                     PARTIAL=partial, CLAMP_FP16=fp16, ONE_DOT=one_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
 
-    def gemv_cx(bits, one_group, partial, bm, bn, bkw, fp16):
-        return dict(BITS=bits, HAS_ZEROS=True, ONE_GROUP=one_group, HAS_BIAS=True, PARTIAL=partial, CLAMP_FP16=fp16,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bkw)
+    def gemv_cx(bits, one_group, partial, bm, bn, bkw, fp16, **more):
+        # PREFETCH as a constexpr, as a launch passes it (an i32 argument would compile both of its branches);
+        # `more`: other constexprs as a launch on Llama shapes sets them (EVEN_K, ASM)
+        return {**dict(BITS=bits, HAS_ZEROS=True, ONE_GROUP=one_group, HAS_BIAS=True, PARTIAL=partial,
+                       CLAMP_FP16=fp16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bkw, PREFETCH=False), **more}
 
     results = []
     # cc 7.0, float16: split-K without tl.dot (M = 1 and M = 8 tiles), act-order gather, 8-bit; its reduce;
@@ -80,6 +82,16 @@ SCRIPT = textwrap.dedent(
                                gemv_cx(4, True, True, 1, 32, 16, False), 4, 1))
     results.append(compile_one("gemv_m4_perword", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
                                gemv_cx(4, False, True, 4, 16, 32, False), 4, 1))
+    # The GEMV's register prefetch (quant_linear.GEMV_PREFETCH), at the planned M = 1 tile and a 128 x 8 one,
+    # specialized as a launch on Llama-3.1-8B shapes is (unit strides, 16-byte aligned pointers and sizes).
+    launch = dict(aligned=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "kw_total", "words_per_group",
+                           "words_per_split", "stride_qn", "stride_sn", "stride_zn"),
+                  unit=("stride_xk", "stride_qk", "stride_sg", "stride_zg", "stride_on"))
+    pf = dict(PREFETCH=True, EVEN_K=True, ASM=True, HAS_BIAS=False)
+    results.append(compile_one("gemv_m1_prefetch", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, True, True, 1, 32, 16, False, **pf), 1, 1, **launch))
+    results.append(compile_one("gemv_m1_128x8_prefetch", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
+                               gemv_cx(4, True, True, 1, 128, 8, False, **pf), 1, 1, **launch))
     # The tensor-core GEMV (cc >= 8.0 only; its PTX dequantization in bf16x2 and f16x2).
     for act in ("*bf16", "*fp16"):
         results.append(compile_one("dot_m16_" + act[1:], quant_dot_kernel, 90, gemv_ptrs(act, "*fp32"),
@@ -122,7 +134,8 @@ def test_quant_kernels_compile_for_sm70_and_sm90_without_a_gpu(compiled_kernels)
         ("splitk_m1_g128", 70), ("splitk_m8_actorder", 70), ("splitk_m2_int8", 70), ("gemv_m1_g128", 70),
         ("gemv_m4_perword", 70), ("gemv_m16_out", 70), ("gemv_m2_int8", 70), ("splitk_reduce", 70),
         ("dequantize", 70), ("moe_grouped", 70), ("splitk_dot_m16", 90), ("splitk_dot_m16_g32", 90), ("tiled_m128", 90),
-        ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
+        ("gemv_m1_g128", 90), ("gemv_m4_perword", 90), ("gemv_m1_prefetch", 90), ("gemv_m1_128x8_prefetch", 90),
+        ("dot_m16_bf16", 90), ("dot_m16_fp16", 90), ("moe_grouped", 90),
         ("moe_grouped_ptx", 90), ("tc_64x64x32", 90), ("tc_128x128x32", 90), ("tc_gather", 90), ("tc_shared", 90),
         ("tc_int8", 90), ("tc_fp16", 90),
     ]
