@@ -31,6 +31,7 @@ H200 (Llama-3.1-8B shapes, dummy weights, bf16, no tokenizer):
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import os
@@ -88,6 +89,7 @@ def build_llm(args: argparse.Namespace, **overrides):
     model = args.model
     if args.config:
         folder = Path(tempfile.mkdtemp(prefix="tokenmill_bench_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the engine may read it until it is freed
         shutil.copy(args.config, folder / "config.json")
         model = str(folder)
     return LLM(model, **kwargs)
