@@ -166,7 +166,8 @@ FLAGS: tuple[FlagInfo, ...] = (
        ("--shutdown-timeout", "3")),
     _i("--enable-auto-tool-choice", "tool_choice auto (needs --tool-call-parser).",
        ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")),
-    _i("--tool-call-parser", "hermes, qwen3_coder, llama3_json, mistral.", ("--tool-call-parser", "hermes")),
+    _i("--tool-call-parser", "hermes, qwen3_coder, llama3_json, mistral; used with --enable-auto-tool-choice "
+       "(a warning without it).", ("--tool-call-parser", "hermes")),
     _i("--reasoning-parser", "qwen3 or deepseek_r1: message.reasoning_content.", ("--reasoning-parser", "qwen3")),
     _i("--enable-log-requests", "Log each request (id, prompt, sampling parameters) when it arrives.",
        ("--enable-log-requests",)),

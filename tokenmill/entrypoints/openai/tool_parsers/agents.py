@@ -12,6 +12,7 @@ the request for the response side.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from tokenmill.entrypoints.openai.reasoning.parsers import get_reasoning_parser
@@ -23,6 +24,8 @@ from tokenmill.entrypoints.openai.tool_parsers.chat_tools import (
 )
 from tokenmill.entrypoints.openai.tool_parsers.registry import get_tool_parser
 from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _PROMPT_TAIL_TOKENS = 16  # enough to see a trailing "<think>\n"
 
@@ -47,6 +50,10 @@ class ChatAgentConfig:
             get_reasoning_parser(reasoning_parser)
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes).")
+        if tool_call_parser and not enable_auto_tool_choice:
+            # As in vLLM, accepted; but it parses only tool_choice "auto", which this server refuses without the flag.
+            logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice (tool_choice "
+                           "\"auto\" is refused; \"required\" and named tools do not use it).", tool_call_parser)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
