@@ -227,6 +227,8 @@ FLAGS: tuple[FlagInfo, ...] = (
     _ign("--ray-workers-use-nsight", "profiling Ray workers is not wired in.", ("--ray-workers-use-nsight",),
          kind="switch"),
     _ign("--worker-use-ray", "pass --distributed-executor-backend ray for Ray.", ("--worker-use-ray",), kind="switch"),
+    _ign("--enable-reasoning", "older vLLM's switch: --reasoning-parser alone turns reasoning output on.",
+         ("--enable-reasoning",), kind="switch"),
     # --- not built yet: start-up fails ---
     _nb("--enable-lora", "LoRA adapters are not supported yet; merge the adapter into the weights, or serve the "
         "base model.", ("--enable-lora",), kind="switch"),
@@ -256,6 +258,11 @@ FLAGS: tuple[FlagInfo, ...] = (
     _nb("--enable-sleep-mode", "sleep mode is not supported yet.", ("--enable-sleep-mode",), kind="switch"),
     _nb("--hf-overrides", "overriding the model's config is not supported yet; edit a copy of config.json.",
         ("--hf-overrides", '{"rope_scaling": null}')),
+    _nb("--rope-scaling", "overriding the model's RoPE scaling is not supported yet; edit rope_scaling in a copy "
+        "of config.json.", ("--rope-scaling", '{"rope_type": "dynamic", "factor": 2.0}')),
+    _nb("--override-generation-config", "overriding generation_config.json is not supported yet; set the values "
+        "per request, or edit a copy of generation_config.json.",
+        ("--override-generation-config", '{"temperature": 0.5}')),
     _nb("--model-impl", "only tokenmill's own model code is built (no transformers fallback).",
         ("--model-impl", "transformers"), inert=("auto", "vllm")),
     _nb("--kv-transfer-config", "disaggregated prefill (KV transfer) is not supported yet.",
