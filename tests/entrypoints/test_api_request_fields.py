@@ -138,6 +138,17 @@ def test_bad_values_are_400_naming_the_field(call, path, body, words):
         assert w in msg, msg
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (C, {"prompt": "ab", "logprobs": 6}, "logprobs"),
+    (C, {"prompt": "ab", "prompt_logprobs": 6}, "prompt_logprobs"),
+    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+])
+def test_max_logprobs_error_names_its_field_in_param(call, path, body, param):
+    status, raw = call("POST", path, body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and "--max-logprobs" in error["message"]
+
+
 def test_unsupported_field_error_is_the_validators_sentence_with_its_param(call):
     """A field a validator refuses: the body's `param` names it and the message is the validator's own sentence
     (no pydantic "Value error, " prefix, no doubled period)."""

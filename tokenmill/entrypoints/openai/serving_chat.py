@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         model = self.check_model(req.model)
         messages = req.message_dicts()
-        self.check_logprobs(req.top_logprobs)
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
         self.check_request_fields(req)
         params = req.to_sampling_params(self.default_sampling_kwargs)
         self.check_sampling(params)

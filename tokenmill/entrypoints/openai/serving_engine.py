@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.entrypoints.openai.protocol import UsageInfo, random_id
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import InvalidFieldError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +234,11 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     def check_logprobs(self, logprobs: int | None, field_name: str = "logprobs") -> None:
-        """Raises ValueError when more top logprobs are asked than --max-logprobs allows."""
+        """Raises InvalidFieldError (a ValueError naming `field_name`, the error body's param) when more top
+        logprobs are asked than --max-logprobs allows."""
         if logprobs is not None and logprobs > self.max_logprobs:
-            raise ValueError(f"At most {self.max_logprobs} {field_name} per token may be requested, got {logprobs} "
-                             "(the server's --max-logprobs).")
+            raise InvalidFieldError(field_name, f"At most {self.max_logprobs} {field_name} per token may be requested, "
+                                    f"got {logprobs} (the server's --max-logprobs).")
 
     def check_request_fields(self, req: Any) -> None:
         """Server-side bounds of the fields both endpoints share.
