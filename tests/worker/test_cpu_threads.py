@@ -82,6 +82,26 @@ def test_a_hog_beside_short_bursts_of_requests_counts(monkeypatch):
     assert set_calls == [1]
 
 
+def test_a_hog_beside_one_step_requests_counts(monkeypatch):
+    # Requests of one step each (max_tokens=1, scoring), 0.5 s apart: every busy period is a single step.
+    clocks = _Clocks(monkeypatch)
+    gov, set_calls = _governor(monkeypatch)
+    for _ in range(6):
+        _steps(gov, clocks, 1, 0.3, ours=1.0, others=1.0)
+        clocks.tick(0.5, ours=0.0, others=1.0)
+    assert set_calls == [1]
+
+
+def test_busy_time_before_a_long_idle_is_dropped(monkeypatch):
+    # 0.9 s of busy time under a hog, an hour idle, then 0.2 s of clean steps: no estimate from the stale part.
+    clocks = _Clocks(monkeypatch)
+    gov, set_calls = _governor(monkeypatch)
+    _steps(gov, clocks, 9, 0.1, ours=1.0, others=1.0, gap=0.0)
+    clocks.tick(3600.0, ours=0.0, others=0.0)
+    _steps(gov, clocks, 2, 0.1, ours=2.0, others=0.0)
+    assert set_calls == [] and gov._acc[0] < 0.5
+
+
 def test_never_above_the_configured_count_nor_below_one(monkeypatch):
     clocks = _Clocks(monkeypatch)
     gov, set_calls = _governor(monkeypatch, max_threads=3, cpus=8)

@@ -23,7 +23,8 @@ Only the time the engine is busy counts. A step's start (`step`) and end
 period, and the CPU samples are taken at a period's start and at each
 step's end, so the seconds between periods, when nothing of ours runs, are
 left out. An estimate needs `interval_s` of busy time, gathered over one or
-several periods. Served at concurrency 1 on the quiet 2-core box, a window
+several periods (a period of a single step counts too); busy time from
+before an idle gap of `STALE_IDLE_INTERVALS` intervals is dropped. Served at concurrency 1 on the quiet 2-core box, a window
 over the idle seconds before a benchmark's first request went 2 -> 1 thread
 on the bench client's start-up (imports, tokenizer, prompt sampling) and
 back a second later (benchmarks/serve_cpu_per_token.py); a hog that runs
@@ -71,6 +72,7 @@ def _own_seconds() -> float:
 
 
 IDLE_GAP_S = 0.1  # steps further apart than this start a new busy period (the gap is not measured)
+STALE_IDLE_INTERVALS = 10  # an idle gap of this many intervals drops the busy time gathered before it
 
 
 class CpuThreadGovernor:
@@ -102,20 +104,29 @@ class CpuThreadGovernor:
         count in force."""
         now = time.monotonic()
         if self._start is not None and self._end is not None and now - self._end[0] > IDLE_GAP_S:
-            # The engine idled since its last step: close that period; the gap is not measured.
-            self._acc = tuple(a + e - s for a, s, e in zip(self._acc, self._start, self._end))
+            # The engine idled since its last step: close that period; the gap is not measured. After a long
+            # idle (STALE_IDLE_INTERVALS intervals) the busy time gathered before it is dropped: too old to
+            # say what other processes do now.
+            stale = now - self._end[0] > STALE_IDLE_INTERVALS * self.interval_s
+            closed = tuple(a + e - s for a, s, e in zip(self._acc, self._start, self._end))
+            self._acc = (0.0, 0.0, 0.0) if stale else closed
             self._start = self._end = None
+        window = self._acc
+        if self._start is not None and self._end is not None:
+            window = tuple(a + e - s for a, s, e in zip(self._acc, self._start, self._end))
+        if window[0] >= self.interval_s and window[0] > 0.0:
+            self._estimate(*window)
+            self._acc = (0.0, 0.0, 0.0)
+            if self._start is not None and self._end is not None:
+                self._start = self._end  # the open period goes on from its last step's end
         if self._start is None:
             self._start = self._sample()
             self._end = None
-            if self._start is None:
-                return self.threads  # no /proc/stat here
-        if self._end is None:
-            return self.threads
-        seconds, busy, own = (a + e - s for a, s, e in zip(self._acc, self._start, self._end))
-        if seconds < self.interval_s:
-            return self.threads
-        self._acc, self._start = (0.0, 0.0, 0.0), self._end  # the next window starts at the last step's end
+        return self.threads
+
+    def _estimate(self, seconds: float, busy: float, own: float) -> None:
+        """Set the thread count from `seconds` of our busy time, in which all processes used `busy` CPU seconds
+        and we `own`."""
         others = max(0.0, (busy - own) / seconds)  # cores, averaged over our busy time
         target = min(self.max_threads, max(1, round(len(self.cpus) - others)))
         if target != self.threads:
@@ -123,7 +134,6 @@ class CpuThreadGovernor:
                         "THREADS=0 keeps %d)", self.threads, target, others, len(self.cpus), self.max_threads)
             torch.set_num_threads(target)
             self.threads = target
-        return self.threads
 
     def step_done(self) -> None:
         """After a model step: sample the CPU clocks at its end (~30 us: /proc/stat and the parent's stat)."""
