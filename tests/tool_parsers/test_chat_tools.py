@@ -161,18 +161,14 @@ class _Engine:
         return [ord(c) for c in self.prompt]
 
 
+def test_tool_call_parser_without_auto_tool_choice_says_it_does_nothing():
+    from tokenmill.entrypoints.openai.tool_parsers.agents import idle_parser_warning
 
-def test_tool_call_parser_without_auto_tool_choice_says_it_does_nothing(caplog):
-    from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
-
-    with caplog.at_level("WARNING"):
-        ChatAgentConfig(tool_call_parser="hermes")
-    assert any("--tool-call-parser hermes has no effect without --enable-auto-tool-choice" in r.getMessage()
-               for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        ChatAgentConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    assert not caplog.records
+    assert "--tool-call-parser hermes has no effect without --enable-auto-tool-choice" in idle_parser_warning(
+        False, "hermes", harmony=False)
+    assert idle_parser_warning(True, "hermes", harmony=False) is None
+    assert idle_parser_warning(False, "openai", harmony=True) is None  # harmony takes "auto" without the flag
+    assert idle_parser_warning(False, None, harmony=False) is None
 
 def test_grammar_starts_after_reasoning_unless_the_prompt_closed_it():
     from types import SimpleNamespace

@@ -24,7 +24,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     ready_outputs,
     token_logprobs,
 )
-from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig
+from tokenmill.entrypoints.openai.tool_parsers.agents import ChatAgentConfig, idle_parser_warning
 from tokenmill.entrypoints.openai.tool_parsers.chat_output import ChoiceStreamer
 from tokenmill.frontend.chat_template import resolve_chat_template
 from tokenmill.outputs import CompletionOutput, PositionLogprobs
@@ -48,6 +48,9 @@ class OpenAIServingChat(OpenAIServing):
         # gpt-oss (or --tool-call-parser openai / --reasoning-parser openai_gptoss): harmony instead of the template.
         hf_config = getattr(getattr(self.engine, "model_config", None), "hf_config", None)
         self.harmony = HarmonyChat() if uses_harmony(hf_config, tool_call_parser, reasoning_parser) else None
+        warning = idle_parser_warning(enable_auto_tool_choice, tool_call_parser, self.harmony is not None)
+        if warning:
+            logger.warning(warning)
 
     def start(self, req: ChatCompletionRequest, raw_request: Any = None) -> tuple[str, str, Submission]:
         """Validate, render the template, queue; returns (response id, model name, submission).

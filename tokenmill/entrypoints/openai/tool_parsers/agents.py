@@ -12,7 +12,6 @@ the request for the response side.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from tokenmill.entrypoints.openai.reasoning.parsers import get_reasoning_parser
@@ -25,9 +24,18 @@ from tokenmill.entrypoints.openai.tool_parsers.chat_tools import (
 from tokenmill.entrypoints.openai.tool_parsers.registry import get_tool_parser
 from tokenmill.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 _PROMPT_TAIL_TOKENS = 16  # enough to see a trailing "<think>\n"
+
+
+def idle_parser_warning(enable_auto_tool_choice: bool, tool_call_parser: str | None, harmony: bool) -> str | None:
+    """The start-up warning for a --tool-call-parser that does nothing, else None: as in vLLM it is accepted
+    without --enable-auto-tool-choice, but it parses only tool_choice "auto", which the template path refuses
+    without that flag ("required" and named tools are forced by structured output). Harmony chats (gpt-oss)
+    take "auto" without the flag, so their parser does work."""
+    if not tool_call_parser or enable_auto_tool_choice or harmony:
+        return None
+    return (f'--tool-call-parser {tool_call_parser} has no effect without --enable-auto-tool-choice (tool_choice '
+            f'"auto" is refused; "required" and named tools do not use it).')
 
 
 class ChatAgentConfig:
@@ -50,10 +58,6 @@ class ChatAgentConfig:
             get_reasoning_parser(reasoning_parser)
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes).")
-        if tool_call_parser and not enable_auto_tool_choice:
-            # As in vLLM, accepted; but it parses only tool_choice "auto", which this server refuses without the flag.
-            logger.warning("--tool-call-parser %s has no effect without --enable-auto-tool-choice (tool_choice "
-                           "\"auto\" is refused; \"required\" and named tools do not use it).", tool_call_parser)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
