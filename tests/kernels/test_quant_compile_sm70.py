@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
     # specialized as a launch on Llama-3.1-8B shapes is (unit strides, 16-byte aligned pointers and sizes).
     launch = dict(aligned=("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "kw_total", "words_per_group",
                            "words_per_split", "stride_qn", "stride_sn", "stride_zn"),
-                  unit=("stride_xk", "stride_qk", "stride_sg", "stride_zg", "stride_on"))
+                  unit=("M", "stride_xk", "stride_qk", "stride_sg", "stride_zg", "stride_on"))
     pf = dict(PREFETCH=True, EVEN_K=True, ASM=True, HAS_BIAS=False)
     results.append(compile_one("gemv_m1_prefetch", quant_gemv_kernel, 90, gemv_ptrs("*bf16", "*fp32"),
                                gemv_cx(4, True, True, 1, 32, 16, False, **pf), 1, 1, **launch))

@@ -56,7 +56,11 @@
 #define PARALLEL_MIN 65536
 
 /* 1: one-token rows of the one-scale 32-weight types take row_dot1_small (gathered scales); 0: the general
- * row_dot. A global for A/B timing in one process (benchmarks/gguf_matmul_bench.py). */
+ * row_dot. A global for A/B timing in one process (benchmarks/gguf_matmul_bench.py). decoder_step.c includes
+ * this file, so its library has its own copy: setting gguf_matmul's does not change the fused decode step.
+ * Q4_1 / Q5_1 rows: row_dot1_small sums the offsets' term in another order than row_dot, so a token's output
+ * can differ in the last bits between a one-token call and the same token inside a 4-token pass (Q4_0 / Q5_0
+ * give the same bits either way). */
 int gguf_gather_scales = 1;
 #define TOKENS_PER_PASS 4
 #define ROW_TILE 16
