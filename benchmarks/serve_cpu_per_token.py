@@ -130,7 +130,8 @@ def run_once(args, peer, port: int, api: int, core: int, log: Path, tmp: Path, p
         if line.startswith("Benchmarking") and start is None:
             start = (time.monotonic(), cpu_s(core), cpu_s(api), cpu_s(client.pid), busy_s())
             core_threads = thread_cpu_s(core)
-            spies = [subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-o", path, "-r", "250", "--nonblocking", "--gil",
+            spies = [subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-o", path, "-r", "250", "--nonblocking",
+                                       "--gil",
                                        "--format", "raw" if path.endswith(".txt") else "flamegraph"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for pid, path in profile.items()]

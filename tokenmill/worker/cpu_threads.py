@@ -24,8 +24,9 @@ period, and the CPU samples are taken at a period's start and at each
 step's end, so the seconds between periods, when nothing of ours runs, are
 left out. An estimate needs `interval_s` of busy time, gathered over one or
 several periods (a period of a single step counts too); busy time from
-before an idle gap of `STALE_IDLE_INTERVALS` intervals is dropped. Served at concurrency 1 on the quiet 2-core box, a window
-over the idle seconds before a benchmark's first request went 2 -> 1 thread
+before an idle gap of `STALE_IDLE_INTERVALS` intervals is dropped. Served
+at concurrency 1 on the quiet 2-core box, a window over the idle seconds
+before a benchmark's first request went 2 -> 1 thread
 on the bench client's start-up (imports, tokenizer, prompt sampling) and
 back a second later (benchmarks/serve_cpu_per_token.py); a hog that runs
 beside short bursts of requests, or beside steps longer than `interval_s`,

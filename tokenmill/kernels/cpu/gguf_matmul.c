@@ -33,15 +33,15 @@
  * Speed: with AVX-512 each 32-weight chunk becomes two 16-lane float vectors
  * (byte -> int32 widening, nibble mask / shift, convert, scale) that are FMA'd
  * against up to TOKENS_PER_PASS token rows at once, so a chunk is decoded once
- * per pass, not once per token. One token (decode at concurrency 1) of the
- * one-scale 4/5-bit types (Q4_0, Q4_1, Q5_0, Q5_1) takes row_dot1_small, which
+ * per pass, not once per token. One token (decode at concurrency 1) of
+ * Q4_1, Q5_0 and Q5_1 takes row_dot1_small, which
  * converts 16 chunks' float16 scales (and offsets) with one gather each and
  * adds the offsets' term m * sum(x) as one 16-lane FMA per 16 chunks: on the
  * Intel Xeon (AVX-512, 2 cores) of session 14 the per-chunk scalar
  * conversions, register broadcasts and the offset sum were most of the loop,
  * and SmolLM2's 66 MB of Q4_1 went from 3.6 to 6.8 GB/s on one thread
- * (benchmarks/gguf_matmul_bench.py). Q8_0, already streaming at ~17 GB/s,
- * keeps row_dot. Without AVX-512 the same chunks are decoded
+ * (benchmarks/gguf_matmul_bench.py). Q8_0 (already ~17 GB/s) and Q4_0
+ * (0.94-0.98x there) keep row_dot. Without AVX-512 the same chunks are decoded
  * into a float[32] by plain loops (which the compiler vectorizes as it can).
  * Rows are shared by OpenMP threads (torch's libgomp, see build.py).
  */
@@ -55,12 +55,12 @@
 
 #define PARALLEL_MIN 65536
 
-/* 1: one-token rows of the one-scale 32-weight types take row_dot1_small (gathered scales); 0: the general
+/* 1: one-token rows of Q4_1, Q5_0 and Q5_1 take row_dot1_small (gathered scales); 0: the general
  * row_dot. A global for A/B timing in one process (benchmarks/gguf_matmul_bench.py). decoder_step.c includes
  * this file, so its library has its own copy: setting gguf_matmul's does not change the fused decode step.
  * Q4_1 / Q5_1 rows: row_dot1_small sums the offsets' term in another order than row_dot, so a token's output
- * can differ in the last bits between a one-token call and the same token inside a 4-token pass (Q4_0 / Q5_0
- * give the same bits either way). */
+ * can differ in the last bits between a one-token call and the same token inside a 4-token pass (Q5_0 gives
+ * the same bits either way). */
 int gguf_gather_scales = 1;
 #define TOKENS_PER_PASS 4
 #define ROW_TILE 16
@@ -366,7 +366,7 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
                                                           int64_t t0, void *out, int64_t out_stride, int is_bf16) {
     const int64_t chunks = k / 32;
 #if defined(TM_AVX512)
-    if (NT == 1 && SMALL_BLOCK_BYTES(type) && type != Q8_0 && gguf_gather_scales) {
+    if (NT == 1 && (type == Q4_1 || type == Q5_0 || type == Q5_1) && gguf_gather_scales) {
         store1(out, t0 * out_stride + r, row_dot1_small(type, row, k, x + t0 * k, xsum ? xsum + t0 * chunks : NULL),
                is_bf16);
         return;
