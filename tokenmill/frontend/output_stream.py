@@ -162,7 +162,7 @@ def merge_delta_output(pending: RequestOutput, new: RequestOutput) -> None:
             by_index[comp.index] = comp
             added = True
             continue
-        _append_completion(old, comp)
+        append_delta_completion(old, comp)
     if added:
         pending.outputs.sort(key=lambda c: c.index)
     pending.finished = new.finished
@@ -172,7 +172,10 @@ def merge_delta_output(pending: RequestOutput, new: RequestOutput) -> None:
         pending.prompt_logprobs = new.prompt_logprobs
 
 
-def _append_completion(old: CompletionOutput, new: CompletionOutput) -> None:
+def append_delta_completion(old: CompletionOutput, new: CompletionOutput) -> None:
+    """Fold DELTA completion `new` into `old` (the same choice's earlier, unsent part), in place: text, token ids
+    and logprobs appended; `cumulative_logprob`, `finish_reason` and `stop_reason` taken from `new`. `old` must
+    be its holder's own (not read elsewhere afterwards)."""
     old.text += new.text
     old.token_ids.extend(new.token_ids)
     if new.logprobs is not None:

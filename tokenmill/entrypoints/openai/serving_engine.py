@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
 from tokenmill.entrypoints.openai.protocol import UsageInfo, random_id
+from tokenmill.frontend.output_stream import append_delta_completion
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import InvalidFieldError, RequestOutputKind, SamplingParams
 
@@ -114,15 +115,16 @@ class Submission:
         """`record` each of `outs` (DELTA, in order); return each touched choice once, with all its new output.
 
         A stream that fell behind sends one chunk per choice for all its
-        pending outputs: several deltas of one choice are joined into one
-        (`merge_delta_completion`), as `OutputStream` merges them.
+        pending outputs: several deltas of one choice are joined into the first
+        one (`output_stream.append_delta_completion`, as `OutputStream` merges them).
         """
         latest: dict[int, tuple[ChoiceState, CompletionOutput]] = {}
         for out in outs:
             for choice, comp in self.record(out):
                 prev = latest.get(choice.index)
-                if prev is not None:
-                    comp = merge_delta_completion(prev[1], comp)
+                if prev is not None:  # `prev`'s completion is an earlier output's, read by no one else
+                    append_delta_completion(prev[1], comp)
+                    comp = prev[1]
                 latest[choice.index] = (choice, comp)
         return list(latest.values())
 
@@ -353,17 +355,6 @@ class OpenAIServing:
         finally:
             sub.stream.close()
         yield SSE_DONE
-
-
-def merge_delta_completion(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    """One DELTA completion covering `old` then `new` (same choice): text, token ids and logprobs joined,
-    `cumulative_logprob` and the finish fields from `new`. Neither input is changed."""
-    logprobs = old.logprobs
-    if new.logprobs is not None:
-        logprobs = new.logprobs if logprobs is None else logprobs + new.logprobs
-    return CompletionOutput(index=new.index, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
-                            cumulative_logprob=new.cumulative_logprob, logprobs=logprobs,
-                            finish_reason=new.finish_reason, stop_reason=new.stop_reason)
 
 
 async def ready_outputs(stream: Any) -> AsyncIterator[list[RequestOutput]]:
