@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokenmill.worker import cpu_threads
@@ -72,23 +73,16 @@ def test_a_hog_beside_steps_longer_than_the_interval_counts(monkeypatch):
     assert set_calls == [1]
 
 
-def test_a_hog_beside_short_bursts_of_requests_counts(monkeypatch):
-    # A request every 3 s (0.8 s of steps, then 2.2 s idle) while a hog holds a core: the busy periods add up.
+@pytest.mark.parametrize(("bursts", "steps", "seconds", "idle"), [
+    (3, 8, 0.1, 2.2),  # a request every 3 s (0.8 s of steps, then 2.2 s idle): the busy periods add up
+    (6, 1, 0.3, 0.5),  # one-step requests (max_tokens=1, scoring) 0.5 s apart: every period a single step
+])
+def test_a_hog_beside_bursts_of_requests_counts(monkeypatch, bursts, steps, seconds, idle):
     clocks = _Clocks(monkeypatch)
     gov, set_calls = _governor(monkeypatch)
-    for _ in range(3):
-        _steps(gov, clocks, 8, 0.1, ours=1.0, others=1.0)
-        clocks.tick(2.2, ours=0.0, others=1.0)
-    assert set_calls == [1]
-
-
-def test_a_hog_beside_one_step_requests_counts(monkeypatch):
-    # Requests of one step each (max_tokens=1, scoring), 0.5 s apart: every busy period is a single step.
-    clocks = _Clocks(monkeypatch)
-    gov, set_calls = _governor(monkeypatch)
-    for _ in range(6):
-        _steps(gov, clocks, 1, 0.3, ours=1.0, others=1.0)
-        clocks.tick(0.5, ours=0.0, others=1.0)
+    for _ in range(bursts):
+        _steps(gov, clocks, steps, seconds, ours=1.0, others=1.0)
+        clocks.tick(idle, ours=0.0, others=1.0)
     assert set_calls == [1]
 
 

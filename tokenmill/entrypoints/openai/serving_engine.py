@@ -37,6 +37,9 @@ from tokenmill.sampling_params import InvalidFieldError, RequestOutputKind, Samp
 
 logger = logging.getLogger(__name__)
 
+# The lowest logprob the OpenAI server reports (vLLM's clamp): -inf has no JSON number.
+LOGPROB_FLOOR = -9999.0
+
 
 class EngineClient(Protocol):
     """The part of `AsyncLLM` the HTTP layer uses (a fake implements it in tests)."""
@@ -429,9 +432,6 @@ def finish_reason_text(reason: Any) -> str | None:
     """OpenAI's spelling of a finish reason ("stop", "length", "abort") or None."""
     return None if reason is None else str(reason)
 
-
-# The lowest logprob the OpenAI server reports (vLLM's clamp): -inf has no JSON number.
-LOGPROB_FLOOR = -9999.0
 
 def token_logprobs(tokenizer: Any, positions: list[PositionLogprobs | None], token_ids: list[int], num_top: int,
                    as_token_ids: bool = False) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
